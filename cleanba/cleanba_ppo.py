@@ -1,0 +1,691 @@
+"""Cleanba PPO: single-file, distributed PPO with JAX + EnvPool.
+
+The Cleanba architecture (Huang et al., 2023, "Cleanba: A Reproducible and Efficient Distributed
+Reinforcement Learning Platform"): actor threads and the learner are joined by queues of size 1.
+
+    iteration:  1        2        3        4
+    actor:      p1->d1   p1->d2   p2->d3   p3->d4
+    learner:             d1->p2   d2->p3   d3->p4
+
+The actor skips fetching parameters at iteration 2, so from then on the learner at version v trains on
+data of version v-1 while the actor already collects the next batch. `--no-concurrency` is the
+synchronous variant (lag 0, nothing overlaps), the default for PPO because the paper found the lag costs
+PPO some data efficiency.
+
+Reproducibility: every environment has a global index g over (process, actor device, actor thread, env);
+it is seeded from (seed, g), actions are sampled with a key derived from (g, step), minibatches are a
+function of (seed, update, epoch, g, t), and statistics are taken over the global minibatch. So the same
+seed gives the same batches on 1 device or many, up to float reassociation in the learner's sums.
+
+Usage: python cleanba/cleanba_ppo.py --env-id CartPole-v1 --total-timesteps 500000
+       python cleanba/cleanba_ppo.py --actor-device-ids 0 --learner-device-ids 1 2 3
+"""
+
+import dataclasses
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import envpool
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax.training.train_state import TrainState
+from tensorboardX import SummaryWriter
+
+# EnvPool's classic-control specs declare float64 bounds; gymnasium warns while building the space,
+# once per environment, about something that does not affect training.
+warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered", module="gymnasium")
+
+
+@dataclasses.dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment: environments, action sampling, initialisation and minibatches"""
+    track: bool = False
+    """mirror the TensorBoard logs to Weights & Biases (honours WANDB_MODE=offline)"""
+    wandb_project_name: str = "cleanba"
+    """the Weights & Biases project"""
+    wandb_entity: str | None = None
+    """the Weights & Biases entity (team); None uses your default"""
+    save_model: bool = False
+    """save the final parameters and the config to the run directory, then evaluate the saved model"""
+    eval_episodes: int = 10
+    """episodes played by the saved model when --save-model is set"""
+    log_frequency: int = 10
+    """log to TensorBoard and the console every this many updates"""
+
+    # Algorithm-specific arguments: the defaults are the paper's Atari settings
+    env_id: str = "Breakout-v5"
+    """an EnvPool environment id: Atari `*-v5` ids use the ResNet, vector observations (CartPole-v1) an MLP"""
+    total_timesteps: int = 50_000_000
+    """total environment steps over all environments (agent steps, not Atari frames)"""
+    learning_rate: float = 2.5e-4
+    """Adam's learning rate"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to 0 over the run"""
+    local_num_envs: int = 64
+    """environments per actor thread"""
+    num_steps: int = 128
+    """steps per environment in each rollout"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """lambda of generalised advantage estimation"""
+    num_minibatches: int = 4
+    """minibatches per epoch; each holds num_steps/num_minibatches steps of every environment"""
+    update_epochs: int = 4
+    """passes over each batch"""
+    norm_adv: bool = True
+    """normalise advantages over each (global) minibatch"""
+    clip_coef: float = 0.1
+    """PPO's surrogate clipping coefficient"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clipping threshold"""
+    adam_eps: float = 1e-5
+    """Adam's epsilon"""
+    concurrency: bool = False
+    """Cleanba architecture (actor one policy version behind, overlapping the learner) instead of synchronous"""
+
+    # Hardware layout: it never changes the algorithm, only where it runs
+    actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """local device ids that run the actors' inference"""
+    learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """local device ids of the data-parallel learner"""
+    num_actor_threads: int = 2
+    """actor threads per actor device, each with its own environment pool"""
+    distributed: bool = False
+    """run as one of several processes with jax.distributed (SLURM's environment is read automatically)"""
+    coordinator_address: str | None = None
+    """with --distributed outside SLURM: host:port of process 0 (or set JAX_COORDINATOR_ADDRESS)"""
+    num_processes: int | None = None
+    """with --distributed outside SLURM: the number of processes"""
+    process_id: int | None = None
+    """with --distributed outside SLURM: this process's rank"""
+
+
+class Config(NamedTuple):
+    """Values derived from Args and the hardware, computed and checked once, before anything starts."""
+
+    world_size: int  # processes
+    rank: int
+    num_envs_per_process: int
+    num_envs: int  # over all processes
+    batch_size: int  # env steps per update, over all processes
+    num_updates: int
+    steps_per_minibatch: int  # time steps of each env in one minibatch
+    env_offset: int  # global index of this process's first environment
+    actor_devices: list
+    learner_devices: list  # global, over all processes, in rank order
+    local_learner_devices: list
+
+
+class ConfigError(ValueError):
+    """Bad input: reported as one line and exit status 2, before anything is created."""
+
+
+def check_args(args: Args):
+    """Checks that need no devices: run before jax.distributed starts."""
+    positive = ["total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs",
+                "num_actor_threads", "log_frequency", "eval_episodes"]
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        ids = getattr(args, name)
+        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+            raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    if not args.learning_rate > 0:
+        raise ConfigError(f"--learning-rate must be positive, got {args.learning_rate}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
+        raise ConfigError("--gamma and --gae-lambda must lie in [0, 1]")
+    if args.num_steps % args.num_minibatches:
+        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}: "
+                          "each minibatch takes the same number of steps from every environment")
+    if args.env_id not in envpool.list_all_envs():
+        raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment "
+                          "(see envpool.list_all_envs())")
+    if not hasattr(envpool.make_spec(args.env_id).action_space, "n"):
+        raise ConfigError(f"--env-id {args.env_id!r} has a continuous action space; PPO here needs discrete actions")
+
+
+def derive_config(args: Args) -> Config:
+    """Checks that need the devices (after jax.distributed), and the derived sizes."""
+    local_devices = jax.local_devices()
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        missing = [i for i in getattr(args, name) if i >= len(local_devices)]
+        if missing:
+            raise ConfigError(f"--{name.replace('_', '-')} {missing} do not exist: this process has "
+                              f"{len(local_devices)} devices (ids 0..{len(local_devices) - 1})")
+    world_size, rank = jax.process_count(), jax.process_index()
+    num_envs_per_process = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    if num_envs_per_process % len(args.learner_device_ids):
+        raise ConfigError(
+            f"--local-num-envs {args.local_num_envs} x --num-actor-threads {args.num_actor_threads} x "
+            f"{len(args.actor_device_ids)} actor devices = {num_envs_per_process} environments cannot be "
+            f"split evenly over {len(args.learner_device_ids)} learner devices")
+    num_envs = num_envs_per_process * world_size
+    batch_size = num_envs * args.num_steps
+    if args.total_timesteps < batch_size:
+        raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update "
+                          f"({num_envs} envs x {args.num_steps} steps = {batch_size})")
+    learner_devices = [jax.local_devices(process_index=p)[i] for p in range(world_size)
+                       for i in args.learner_device_ids]
+    return Config(
+        world_size=world_size,
+        rank=rank,
+        num_envs_per_process=num_envs_per_process,
+        num_envs=num_envs,
+        batch_size=batch_size,
+        num_updates=args.total_timesteps // batch_size,
+        steps_per_minibatch=args.num_steps // args.num_minibatches,
+        env_offset=rank * num_envs_per_process,
+        actor_devices=[local_devices[i] for i in args.actor_device_ids],
+        learner_devices=learner_devices,
+        local_learner_devices=[local_devices[i] for i in args.learner_device_ids],
+    )
+
+
+def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int):
+    """EnvPool seeds env i of a pool with seed + i, so seeding a pool with seed + (global index of its
+    first env) gives every environment the same seed whatever pool or process holds it."""
+    if env_id.endswith("-v5"):  # Atari: the evaluation protocol of Machado et al. (2018)
+        return envpool.make(
+            env_id,
+            env_type="gym",
+            num_envs=num_envs,
+            seed=seed + first_env_index,
+            episodic_life=False,  # no life-loss signal
+            repeat_action_probability=0.25,  # sticky actions
+            full_action_space=True,
+            noop_max=1,  # no no-op starts: sticky actions are the source of stochasticity
+            max_episode_steps=108_000 // 4,  # 108,000 frames at frame skip 4
+            reward_clip=True,  # the unclipped reward is in info["reward"] for logging
+        )
+    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=seed + first_env_index)
+
+
+class ResidualBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        inputs = x
+        x = nn.relu(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        return x + inputs
+
+
+class ResNet(nn.Module):
+    """The IMPALA network (Espeholt et al., 2018): three conv stacks, then a 256-unit layer."""
+
+    channels: tuple = (16, 32, 32)
+    hidden: int = 256
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # EnvPool frames are NCHW uint8
+        for channels in self.channels:
+            x = nn.Conv(channels, kernel_size=(3, 3))(x)
+            x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+            x = ResidualBlock(channels)(x)
+            x = ResidualBlock(channels)(x)
+        x = nn.relu(x.reshape((x.shape[0], -1)))
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return x, x  # shared by the policy and the value heads
+
+
+class MLP(nn.Module):
+    """Two 64-unit tanh towers, one for the policy and one for the value, as in CleanRL's classic-control
+    PPO: with returns in the hundreds, a shared torso's gradient is swamped by the value loss."""
+
+    hidden: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        def tower(x):
+            for _ in range(2):
+                x = nn.tanh(nn.Dense(self.hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+            return x
+
+        x = x.astype(jnp.float32)
+        return tower(x), tower(x)
+
+
+class Actor(nn.Module):
+    num_actions: int
+
+    @nn.compact
+    def __call__(self, hidden):
+        return nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(hidden)
+
+
+class Critic(nn.Module):
+    @nn.compact
+    def __call__(self, hidden):
+        return nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(hidden).squeeze(-1)
+
+
+class Networks(NamedTuple):
+    torso: nn.Module
+    actor: nn.Module
+    critic: nn.Module
+
+
+def make_networks(observation_shape, num_actions) -> Networks:
+    """The torso follows the observation: frames get the ResNet, vectors the MLP."""
+    torso = ResNet() if len(observation_shape) == 3 else MLP()
+    return Networks(torso, Actor(num_actions), Critic())
+
+
+def forward(networks: Networks, params, obs):
+    policy_hidden, value_hidden = networks.torso.apply(params["torso"], obs)
+    return networks.actor.apply(params["actor"], policy_hidden), networks.critic.apply(params["critic"], value_hidden)
+
+
+@contextmanager
+def timer(timings: dict, name: str):
+    """Adds the wall-clock time of the block to timings[name]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+class StopRequested(Exception):
+    """Raised in a thread blocked on a queue once another thread has asked everyone to stop."""
+
+
+def queue_put(q: queue.Queue, item, stop: threading.Event):
+    while not stop.is_set():
+        try:
+            return q.put(item, timeout=1.0)
+        except queue.Full:
+            pass
+    raise StopRequested
+
+
+def queue_get(q: queue.Queue, stop: threading.Event):
+    while not stop.is_set():
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            pass
+    raise StopRequested
+
+
+def expected_data_version(update: int, concurrency: bool) -> int:
+    """The version contract: the policy version that must have produced the batch of this update
+    (versions count from 1; the learner holds version `update` before training on it)."""
+    return max(1, update - 1) if concurrency else update
+
+
+def rollout(args: Args, cfg: Config, networks: Networks, thread_id: int, device, first_env_index: int,
+            params_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
+    """One actor thread: its own EnvPool on the host, inference on `device`."""
+    envs = make_env(args.env_id, args.local_num_envs, first_env_index, args.seed)
+    env_ids = np.arange(first_env_index, first_env_index + args.local_num_envs)
+    action_key = jax.random.fold_in(jax.random.key(args.seed), 0)
+
+    @jax.jit
+    def policy(params, obs, step):
+        logits, value = forward(networks, params, obs)
+        # One key per (environment, step): the sampled actions do not depend on the layout.
+        step_key = jax.random.fold_in(action_key, step)
+        keys = jax.vmap(lambda g: jax.random.fold_in(step_key, g))(env_ids)
+        action = jax.vmap(jax.random.categorical)(keys, logits)
+        logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
+        return action, logprob, value
+
+    obs, _ = envs.reset()
+    done = np.zeros(args.local_num_envs, dtype=bool)
+    episode_return = np.zeros(args.local_num_envs, dtype=np.float32)
+    episode_length = np.zeros(args.local_num_envs, dtype=np.int32)
+    params = None
+    for update in range(1, cfg.num_updates + 1):
+        timings = {}
+        # Iteration 2 reuses p1 so that the actor runs one version ahead of the learner (Cleanba §3).
+        if params is None or not args.concurrency or update != 2:
+            with timer(timings, "params_queue_get_time"):
+                params, version = queue_get(params_queue, stop)
+                params = jax.device_put(params, device)
+        shape = (args.num_steps, args.local_num_envs)
+        batch = dict(
+            obs=np.zeros(shape + obs.shape[1:], dtype=obs.dtype),
+            actions=np.zeros(shape, dtype=np.int32),
+            logprobs=np.zeros(shape, dtype=np.float32),
+            values=np.zeros((args.num_steps + 1, args.local_num_envs), dtype=np.float32),
+            rewards=np.zeros(shape, dtype=np.float32),
+            terminations=np.zeros(shape, dtype=bool),
+            dones=np.zeros(shape, dtype=bool),
+            # EnvPool resets a finished env on the *next* step: that step's action is ignored, so the
+            # transition out of a final observation is not real and is masked out of the loss.
+            valid=np.zeros(shape, dtype=bool),
+            episode_returns=np.zeros(shape, dtype=np.float32),
+            episode_lengths=np.zeros(shape, dtype=np.int32),
+        )
+        for t in range(args.num_steps):
+            step = (update - 1) * args.num_steps + t
+            with timer(timings, "inference_time"):
+                action, logprob, value = jax.device_get(policy(params, obs, step))
+            with timer(timings, "env_step_time"):
+                next_obs, reward, terminated, truncated, info = envs.step(action)
+            batch["obs"][t] = obs
+            batch["valid"][t] = ~done
+            done = terminated | truncated
+            batch["actions"][t], batch["logprobs"][t], batch["values"][t] = action, logprob, value
+            batch["rewards"][t], batch["terminations"][t], batch["dones"][t] = reward, terminated, done
+            episode_return += info.get("reward", reward)  # Atari: the unclipped reward
+            episode_length += 1
+            batch["episode_returns"][t] = np.where(done, episode_return, 0.0)
+            batch["episode_lengths"][t] = np.where(done, episode_length, 0)
+            episode_return[done], episode_length[done] = 0.0, 0
+            obs = next_obs
+        with timer(timings, "inference_time"):  # bootstrap value of the last observation
+            batch["values"][args.num_steps] = jax.device_get(policy(params, obs, update * args.num_steps)[2])
+        with timer(timings, "rollout_queue_put_time"):
+            queue_put(rollout_queue, (thread_id, update, version, env_ids, batch, timings), stop)
+
+
+def make_update(args: Args, cfg: Config, networks: Networks):
+    """The learner's update, data-parallel over the learner devices (pmap axis "devices").
+
+    Each device holds the whole rollout of some environments. Minibatch k of an epoch takes, from every
+    environment g, the time steps permutation(seed, update, epoch, g)[k*S:(k+1)*S]: its composition
+    depends on the seed and g only, never on which device holds g. Means are taken over the global
+    minibatch (psum of sums and counts), so N devices compute the update one device would.
+    """
+    T, S = args.num_steps, cfg.steps_per_minibatch
+    minibatch_key = jax.random.fold_in(jax.random.key(args.seed), 1)
+
+    def global_mean(x, mask, count):
+        return jax.lax.psum(jnp.sum(x * mask), "devices") / count
+
+    def gae(rewards, values, terminations, dones):
+        # Bootstrap from the value of the step's successor (for a truncated episode that is its final
+        # observation, recorded by the actor), except after a termination; stop at episode ends.
+        deltas = rewards + args.gamma * values[1:] * (1.0 - terminations) - values[:-1]
+
+        def backward(next_advantage, delta_done):
+            delta, done = delta_done
+            advantage = delta + args.gamma * args.gae_lambda * (1.0 - done) * next_advantage
+            return advantage, advantage
+
+        _, advantages = jax.lax.scan(backward, jnp.zeros_like(deltas[0]), (deltas, dones), reverse=True)
+        return advantages, advantages + values[:-1]
+
+    def ppo_loss(params, mb, count):
+        logits, new_values = forward(networks, params, mb["obs"])
+        logprobs_all = jax.nn.log_softmax(logits)
+        new_logprobs = jnp.take_along_axis(logprobs_all, mb["actions"][:, None], axis=-1)[:, 0]
+        logratio = new_logprobs - mb["logprobs"]
+        ratio = jnp.exp(logratio)
+        advantages = mb["advantages"]
+        if args.norm_adv:
+            mean = global_mean(advantages, mb["valid"], count)
+            var = global_mean(jnp.square(advantages - mean), mb["valid"], count)
+            advantages = (advantages - mean) / (jnp.sqrt(var) + 1e-8)
+        pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef))
+        v_loss = 0.5 * jnp.square(new_values - mb["returns"])
+        entropy = -jnp.sum(jnp.exp(logprobs_all) * logprobs_all, axis=-1)
+        # Local sums over the global count: the psum of these gradients is the global mean's gradient.
+        local_mean = lambda x: jnp.sum(x * mb["valid"]) / count  # noqa: E731
+        pg_loss, v_loss, entropy = local_mean(pg_loss), local_mean(v_loss), local_mean(entropy)
+        loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+        approx_kl = local_mean((ratio - 1) - logratio)
+        return loss, dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
+
+    def update(state: TrainState, batch, update_index):
+        advantages, returns = gae(batch["rewards"], batch["values"], batch["terminations"], batch["dones"])
+        data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"],
+                    advantages=advantages, returns=returns, valid=batch["valid"].astype(jnp.float32))
+        env_ids, local_envs = batch["env_ids"], batch["env_ids"].shape[0]
+        update_key = jax.random.fold_in(minibatch_key, update_index)
+
+        def epoch(state, epoch_index):
+            epoch_key = jax.random.fold_in(update_key, epoch_index)
+            order = jax.vmap(lambda g: jax.random.permutation(jax.random.fold_in(epoch_key, g), T))(env_ids)
+            minibatch_steps = order.reshape(local_envs, args.num_minibatches, S).swapaxes(0, 1)
+
+            def minibatch(state, steps):  # steps: (local_envs, S) time indices of each env
+                mb = jax.tree.map(lambda x: x[steps, jnp.arange(local_envs)[:, None]].reshape(-1, *x.shape[2:]), data)
+                count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
+                grads, metrics = jax.grad(ppo_loss, has_aux=True)(state.params, mb, count)
+                grads = jax.lax.psum(grads, "devices")
+                metrics = jax.lax.psum(metrics, "devices")
+                return state.apply_gradients(grads=grads), metrics
+
+            return jax.lax.scan(minibatch, state, minibatch_steps)
+
+        state, metrics = jax.lax.scan(epoch, state, jnp.arange(args.update_epochs))
+        metrics = jax.tree.map(jnp.mean, metrics)
+        # Episodes that ended in this batch, over all devices and processes (unclipped returns).
+        finished = batch["dones"].astype(jnp.float32) * batch["valid"]
+        metrics["episodes"] = jax.lax.psum(jnp.sum(finished), "devices")
+        metrics["episodic_return_sum"] = jax.lax.psum(jnp.sum(batch["episode_returns"] * finished), "devices")
+        metrics["episodic_length_sum"] = jax.lax.psum(jnp.sum(batch["episode_lengths"] * finished), "devices")
+        return state, metrics
+
+    return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None),
+                    donate_argnums=(0,))
+
+
+def first_replica(tree):
+    """This process's first copy of a tree replicated over the learner devices (pmap outputs have a
+    leading device axis; each addressable shard holds one slice of it)."""
+    return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
+
+
+def collate(items, num_local_learners):
+    """Joins the actor threads' batches along the env axis (global env order), then splits the envs
+    into equal contiguous blocks, one per local learner device: (devices, time, envs/devices, ...)."""
+    batch = {k: np.concatenate([b[k] for b in items], axis=1) for k in items[0]}
+
+    def shard(x):
+        x = x.reshape(x.shape[0], num_local_learners, -1, *x.shape[2:])
+        return np.moveaxis(x, 1, 0)
+
+    return {k: shard(v) for k, v in batch.items()}
+
+
+def evaluate(args: Args, networks: Networks, params, num_episodes: int) -> list[float]:
+    """Plays num_episodes with the given parameters (actions sampled from the policy, seeded apart from
+    training), returning the unclipped episodic returns."""
+    envs = make_env(args.env_id, 1, first_env_index=0, seed=args.seed + 1_000_003)
+    policy = jax.jit(lambda p, o, k: jax.random.categorical(k, forward(networks, p, o)[0]))
+    key = jax.random.fold_in(jax.random.key(args.seed), 2)
+    obs, _ = envs.reset()
+    returns, episode_return = [], 0.0
+    for step in range(10**8):
+        if len(returns) == num_episodes:
+            break
+        obs, reward, terminated, truncated, info = envs.step(np.asarray(policy(params, obs, jax.random.fold_in(key, step))))
+        episode_return += float(info.get("reward", reward)[0])
+        if terminated[0] or truncated[0]:
+            returns.append(episode_return)
+            episode_return = 0.0
+    return returns
+
+
+def main(args: Args):
+    try:
+        check_args(args)
+        if args.distributed:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        cfg = derive_config(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    is_main_process = cfg.rank == 0
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    layout = (f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}"
+              f"-d{cfg.world_size}, {args.num_actor_threads} actor threads per actor device")
+
+    writer = None
+    if is_main_process:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=vars(args), name=run_name, save_code=True)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        writer.add_text("layout", layout)
+        print(f"run {run_name}: {args.env_id}, {cfg.num_envs} envs x {args.num_steps} steps = "
+              f"{cfg.batch_size} per update, {cfg.num_updates} updates; layout {layout}", flush=True)
+
+    spec = envpool.make_spec(args.env_id)
+    networks = make_networks(spec.observation_space.shape, spec.action_space.n)
+    init_key = jax.random.fold_in(jax.random.key(args.seed), 3)
+    torso_key, actor_key, critic_key = jax.random.split(init_key, 3)
+    dummy_obs = np.zeros((1, *spec.observation_space.shape), dtype=spec.observation_space.dtype)
+    torso_params = networks.torso.init(torso_key, dummy_obs)
+    policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
+    params = {"torso": torso_params, "actor": networks.actor.init(actor_key, policy_hidden),
+              "critic": networks.critic.init(critic_key, value_hidden)}
+    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
+    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    num_local_learners = len(cfg.local_learner_devices)
+    state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (num_local_learners, *np.shape(x))), state)
+    update_fn = make_update(args, cfg, networks)
+
+    stop = threading.Event()
+    failures = []  # (thread name, formatted traceback)
+
+    def run_actor(*thread_args):
+        try:
+            rollout(*thread_args)
+        except StopRequested:
+            pass
+        except BaseException:
+            failures.append((threading.current_thread().name, traceback.format_exc()))
+            stop.set()
+
+    actors = []
+    for device_index, device in enumerate(cfg.actor_devices):
+        for thread_index in range(args.num_actor_threads):
+            thread_id = device_index * args.num_actor_threads + thread_index
+            first_env_index = cfg.env_offset + thread_id * args.local_num_envs
+            params_queue, rollout_queue = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
+            thread = threading.Thread(
+                target=run_actor, name=f"actor-{device_index}-{thread_index}", daemon=True,
+                args=(args, cfg, networks, thread_id, device, first_env_index, params_queue, rollout_queue, stop))
+            actors.append((thread, params_queue, rollout_queue))
+
+    def publish(params, version):
+        for _, params_queue, _ in actors:
+            queue_put(params_queue, (params, version), stop)
+
+    episodes_since_log = np.zeros(3)  # episodes, return sum, length sum: since the last log line
+    start_time, version = time.time(), 1
+    exit_code = 0
+    try:
+        for thread, _, _ in actors:
+            thread.start()
+        publish(params, version)
+        for update in range(1, cfg.num_updates + 1):
+            timings = {}
+            with timer(timings, "rollout_queue_get_time"):
+                items = [queue_get(rollout_queue, stop) for _, _, rollout_queue in actors]
+            data_versions = {item[2] for item in items}
+            if data_versions != {expected_data_version(update, args.concurrency)}:
+                raise RuntimeError(f"version contract violated at update {update}: learner at version {version} "
+                                   f"got data of versions {sorted(data_versions)}, expected "
+                                   f"{expected_data_version(update, args.concurrency)}")
+            data_version = data_versions.pop()
+            batch = collate([item[4] for item in items], num_local_learners)
+            batch["env_ids"] = np.stack(np.split(np.concatenate([item[3] for item in items]), num_local_learners))
+            with timer(timings, "update_time"):
+                state, metrics = update_fn(state, batch, update)
+                metrics = jax.tree.map(float, first_replica(metrics))
+            if not np.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"non-finite loss at update {update}: {metrics}")
+            version += 1
+            if update < cfg.num_updates:
+                publish(first_replica(state.params), version)
+
+            global_step = update * cfg.batch_size
+            episodes_since_log += [metrics["episodes"], metrics["episodic_return_sum"], metrics["episodic_length_sum"]]
+            if is_main_process and (update % args.log_frequency == 0 or update == cfg.num_updates):
+                elapsed = time.time() - start_time
+                sps = int(global_step / elapsed)
+                actor_timings = {k: np.mean([item[5][k] for item in items]) for k in items[0][5]}
+                episodes, return_sum, length_sum = episodes_since_log
+                if episodes:
+                    writer.add_scalar("charts/episodic_return", return_sum / episodes, global_step)
+                    writer.add_scalar("charts/episodic_length", length_sum / episodes, global_step)
+                writer.add_scalar("charts/SPS", sps, global_step)
+                lr = schedule(update * args.update_epochs * args.num_minibatches) if args.anneal_lr else schedule
+                writer.add_scalar("charts/learning_rate", float(lr), global_step)
+                for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "loss"]:
+                    writer.add_scalar(f"losses/{name}", metrics[name], global_step)
+                writer.add_scalar("stats/actor_policy_version", data_version, global_step)
+                writer.add_scalar("stats/learner_policy_version", version - 1, global_step)
+                writer.add_scalar("stats/update", update, global_step)
+                for name, seconds in {**actor_timings, **timings}.items():
+                    writer.add_scalar(f"stats/{name}", seconds, global_step)
+                eta = elapsed / update * (cfg.num_updates - update)
+                recent = f"{return_sum / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
+                episodes_since_log[:] = 0
+                print(f"update {update}/{cfg.num_updates} | step {global_step:,} | SPS {sps:,} | "
+                      f"return {recent} | ETA {eta / 60:.1f} min", flush=True)
+    except StopRequested:
+        pass
+    except BaseException:
+        failures.append((threading.current_thread().name, traceback.format_exc()))
+    finally:
+        stop.set()
+        for thread, _, _ in actors:
+            thread.join(timeout=30)
+    if failures:
+        for name, trace in failures:
+            print(f"error in thread {name}:\n{trace}", file=sys.stderr)
+        exit_code = 1
+    elif is_main_process and args.save_model:
+        params = jax.device_get(first_replica(state.params))
+        model_path = f"runs/{run_name}/{args.exp_name}.cleanba_model"
+        with open(model_path, "wb") as f:
+            f.write(flax.serialization.to_bytes(params))
+        with open(f"runs/{run_name}/args.json", "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        print(f"model saved to {model_path}", flush=True)
+        with open(model_path, "rb") as f:
+            loaded = flax.serialization.from_bytes(params, f.read())
+        for episode, episode_return in enumerate(evaluate(args, networks, loaded, args.eval_episodes)):
+            writer.add_scalar("eval/episodic_return", episode_return, episode)
+            print(f"eval episode {episode}: return {episode_return}", flush=True)
+    if writer is not None:
+        writer.close()
+    if args.track and is_main_process:
+        import wandb
+
+        wandb.finish(exit_code=exit_code)
+    if exit_code:
+        sys.exit(exit_code)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
