@@ -1,0 +1,61 @@
+"""Runs the training scripts as a user does (a subprocess with real flags) and reads back their logs."""
+
+import glob
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "cleanba"))
+
+from events import read_scalars  # noqa: E402
+
+SCRIPTS = {"ppo": os.path.join(REPO, "cleanba", "cleanba_ppo.py")}
+
+# Small, fast settings shared by the tests; each test adds what it is about.
+CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--log-frequency", "1"]
+BREAKOUT = ["--env-id", "Breakout-v5", "--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "16",
+            "--num-minibatches", "2", "--update-epochs", "1", "--log-frequency", "1"]
+
+
+def script_env(num_devices: int | None = None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if num_devices:  # must be set before jax is imported, hence in the child's environment
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}".strip()
+    return env
+
+
+def run(cwd, *flags, algo="ppo", num_devices=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd, env=script_env(num_devices),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start(cwd, *flags, algo="ppo", num_devices=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd, env=script_env(num_devices),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def run_dirs(cwd) -> list[str]:
+    return sorted(glob.glob(os.path.join(str(cwd), "runs", "*")))
+
+
+def only_run(cwd) -> str:
+    dirs = run_dirs(cwd)
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def values(scalars, tag) -> list[float]:
+    return [value for _, value in scalars[tag]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
