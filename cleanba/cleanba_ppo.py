@@ -407,6 +407,30 @@ def rollout(args: Args, cfg: Config, networks: Networks, thread_id: int, device,
             queue_put(rollout_queue, (thread_id, update, version, env_ids, batch, timings), stop)
 
 
+def batch_fingerprint(batch, env_ids):
+    """A 32-bit checksum of what the actors collected (observations, actions, rewards, episode ends).
+
+    Each environment's column gets a position-weighted checksum, tied to the env's global index and
+    mixed (MurmurHash3's finaliser); the columns are then added mod 2^32 over envs and devices. Integer
+    addition is exact and order-free, so the fingerprint does not depend on which device or process
+    holds which env: runs with different layouts can be compared update by update.
+    """
+
+    def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
+        x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
+        x = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float32 else x.astype(jnp.uint32)
+        weights = jax.random.bits(jax.random.key(salt), (x.shape[1],), jnp.uint32) | 1
+        return jnp.sum(x * weights, axis=1, dtype=jnp.uint32)
+
+    h = env_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+    for salt, name in enumerate(["obs", "actions", "rewards", "dones"]):
+        h = h * jnp.uint32(31) + column_checksums(batch[name], salt)
+    for shift, multiplier in [(16, 0x85EBCA6B), (13, 0xC2B2AE35)]:
+        h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
+    h = h ^ (h >> 16)
+    return jax.lax.psum(jnp.sum(h, dtype=jnp.uint32), "devices")
+
+
 def make_update(args: Args, cfg: Config, networks: Networks):
     """The learner's update, data-parallel over the learner devices (pmap axis "devices").
 
@@ -484,7 +508,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         metrics["episodes"] = jax.lax.psum(jnp.sum(finished), "devices")
         metrics["episodic_return_sum"] = jax.lax.psum(jnp.sum(batch["episode_returns"] * finished), "devices")
         metrics["episodic_length_sum"] = jax.lax.psum(jnp.sum(batch["episode_lengths"] * finished), "devices")
-        return state, metrics
+        return state, metrics, batch_fingerprint(batch, env_ids)
 
     return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None),
                     donate_argnums=(0,))
@@ -538,22 +562,33 @@ def main(args: Args):
         sys.exit(2)
     is_main_process = cfg.rank == 0
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    layout = (f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}"
-              f"-d{cfg.world_size}, {args.num_actor_threads} actor threads per actor device")
+    run_dir = f"runs/{run_name}"
+    notation = (f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}"
+                f"-d{cfg.world_size}")
+    layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads,
+                  actor_devices=[str(d) for d in cfg.actor_devices],
+                  learner_devices=[str(d) for d in cfg.learner_devices], platform=jax.default_backend(),
+                  num_envs=cfg.num_envs, batch_size=cfg.batch_size, num_updates=cfg.num_updates)
 
-    writer = None
+    writer = updates_log = None
     if is_main_process:
         if args.track:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                        config=vars(args), name=run_name, save_code=True)
-        writer = SummaryWriter(f"runs/{run_name}")
+        writer = SummaryWriter(run_dir)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-        writer.add_text("layout", layout)
+        writer.add_text("layout", json.dumps(layout))
+        with open(f"{run_dir}/config.json", "w") as f:
+            json.dump(dict(args=dataclasses.asdict(args), layout=layout), f, indent=2)
+        # One line per update with the batch fingerprint and the losses at full precision, for
+        # comparing runs after the fact (cleanba/compare_runs.py).
+        updates_log = open(f"{run_dir}/updates.jsonl", "w", buffering=1)
         print(f"run {run_name}: {args.env_id}, {cfg.num_envs} envs x {args.num_steps} steps = "
-              f"{cfg.batch_size} per update, {cfg.num_updates} updates; layout {layout}", flush=True)
+              f"{cfg.batch_size} per update, {cfg.num_updates} updates; layout {notation} with "
+              f"{args.num_actor_threads} actor threads per actor device", flush=True)
 
     spec = envpool.make_spec(args.env_id)
     networks = make_networks(spec.observation_space.shape, spec.action_space.n)
@@ -619,8 +654,9 @@ def main(args: Args):
             batch = collate([item[4] for item in items], num_local_learners)
             batch["env_ids"] = np.stack(np.split(np.concatenate([item[3] for item in items]), num_local_learners))
             with timer(timings, "update_time"):
-                state, metrics = update_fn(state, batch, update)
+                state, metrics, fingerprint = update_fn(state, batch, update)
                 metrics = jax.tree.map(float, first_replica(metrics))
+                fingerprint = f"{int(first_replica(fingerprint)):08x}"
             if not np.isfinite(metrics["loss"]):
                 raise FloatingPointError(f"non-finite loss at update {update}: {metrics}")
             version += 1
@@ -629,6 +665,9 @@ def main(args: Args):
 
             global_step = update * cfg.batch_size
             episodes_since_log += [metrics["episodes"], metrics["episodic_return_sum"], metrics["episodic_length_sum"]]
+            if is_main_process:
+                updates_log.write(json.dumps(dict(update=update, global_step=global_step, data_version=data_version,
+                                                  fingerprint=fingerprint, **metrics)) + "\n")
             if is_main_process and (update % args.log_frequency == 0 or update == cfg.num_updates):
                 elapsed = time.time() - start_time
                 sps = int(global_step / elapsed)
@@ -666,19 +705,18 @@ def main(args: Args):
         exit_code = 1
     elif is_main_process and args.save_model:
         params = jax.device_get(first_replica(state.params))
-        model_path = f"runs/{run_name}/{args.exp_name}.cleanba_model"
+        model_path = f"{run_dir}/{args.exp_name}.cleanba_model"
         with open(model_path, "wb") as f:
             f.write(flax.serialization.to_bytes(params))
-        with open(f"runs/{run_name}/args.json", "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
         print(f"model saved to {model_path}", flush=True)
         with open(model_path, "rb") as f:
             loaded = flax.serialization.from_bytes(params, f.read())
         for episode, episode_return in enumerate(evaluate(args, networks, loaded, args.eval_episodes)):
             writer.add_scalar("eval/episodic_return", episode_return, episode)
             print(f"eval episode {episode}: return {episode_return}", flush=True)
-    if writer is not None:
+    if is_main_process:
         writer.close()
+        updates_log.close()
     if args.track and is_main_process:
         import wandb
 

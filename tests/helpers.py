@@ -59,3 +59,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_processes(cwd, *flags, num_processes=2, algo="ppo", timeout=300) -> list[str]:
+    """Runs the script as `num_processes` --distributed processes on localhost; returns their outputs
+    once all have exited 0."""
+    os.makedirs(cwd, exist_ok=True)
+    flags = [*flags, "--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}",
+             "--num-processes", num_processes]
+    procs = [start(cwd, *flags, "--process-id", rank, algo=algo) for rank in range(num_processes)]
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"process {rank} exited {proc.returncode}\n{output[-5000:]}"
+    return outputs
+
+
+def train(cwd, *flags, num_processes=1, **kwargs) -> str:
+    """Trains in its own directory and returns the run directory."""
+    os.makedirs(cwd, exist_ok=True)
+    if num_processes > 1:
+        run_processes(cwd, *flags, num_processes=num_processes, **kwargs)
+    else:
+        check(run(cwd, *flags, **kwargs))
+    return only_run(cwd)
