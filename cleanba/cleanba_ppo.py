@@ -22,9 +22,11 @@ Usage: python cleanba/cleanba_ppo.py --env-id CartPole-v1 --total-timesteps 5000
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -42,6 +44,7 @@ import numpy as np
 import optax
 import tyro
 from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 
 # EnvPool's classic-control specs declare float64 bounds; gymnasium warns while building the space,
@@ -67,6 +70,15 @@ class Args:
     """episodes played by the saved model when --save-model is set"""
     log_frequency: int = 10
     """log to TensorBoard and the console every this many updates"""
+    run_name: str | None = None
+    """directory under runs/; by default env id, exp name, seed and a hash of the algorithm's configuration,
+    so that running the same command again (or a requeued SLURM job) finds the run and resumes it"""
+    resume: bool = True
+    """resume from runs/<run_name>/checkpoint.msgpack when it exists; --no-resume starts over"""
+    checkpoint_interval: int = 100
+    """write a checkpoint every this many updates (0: only on SIGTERM/SIGINT, and at the end)"""
+    checkpoint_minutes: float = 15.0
+    """also write a checkpoint when this many minutes have passed since the last one"""
 
     # Algorithm-specific arguments: the defaults are the paper's Atari settings
     env_id: str = "Breakout-v5"
@@ -119,6 +131,8 @@ class Args:
     """with --distributed outside SLURM: the number of processes"""
     process_id: int | None = None
     """with --distributed outside SLURM: this process's rank"""
+    heartbeat_timeout: int = 100
+    """with --distributed: seconds after which the others give up on a process that died (they exit non-zero)"""
 
 
 class Config(NamedTuple):
@@ -144,7 +158,7 @@ class ConfigError(ValueError):
 def check_args(args: Args):
     """Checks that need no devices: run before jax.distributed starts."""
     positive = ["total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs",
-                "num_actor_threads", "log_frequency", "eval_episodes"]
+                "num_actor_threads", "log_frequency", "eval_episodes", "heartbeat_timeout"]
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -152,6 +166,10 @@ def check_args(args: Args):
         ids = getattr(args, name)
         if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    if args.checkpoint_interval < 0 or not args.checkpoint_minutes > 0:
+        raise ConfigError("--checkpoint-interval must be >= 0 and --checkpoint-minutes positive")
+    if args.run_name is not None and (not args.run_name or "/" in args.run_name or args.run_name.startswith(".")):
+        raise ConfigError(f"--run-name {args.run_name!r} must be a plain directory name")
     if not args.learning_rate > 0:
         raise ConfigError(f"--learning-rate must be positive, got {args.learning_rate}")
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
@@ -334,14 +352,31 @@ def queue_get(q: queue.Queue, stop: threading.Event):
     raise StopRequested
 
 
-def expected_data_version(update: int, concurrency: bool) -> int:
-    """The version contract: the policy version that must have produced the batch of this update
-    (versions count from 1; the learner holds version `update` before training on it)."""
-    return max(1, update - 1) if concurrency else update
+def expected_data_version(update: int, first_update: int, concurrency: bool) -> int:
+    """The version contract: the policy version that must have produced the batch of this update. The
+    learner holds version `update` before training on it; with concurrency the actor reuses the first
+    parameters for a second batch, so from then on it is one version behind."""
+    return update - 1 if concurrency and update > first_update else update
 
 
-def rollout(args: Args, cfg: Config, networks: Networks, thread_id: int, device, first_env_index: int,
-            params_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
+def fault_injected(where: str, update: int) -> bool:
+    """Test hook for tests/test_failures.py: CLEANBA_FAULT=<where>@<update>, where is `actor` (the first
+    actor thread raises), `learner` (the learner raises) or `nan` (the batch's rewards become NaN).
+    Unset, it does nothing."""
+    return os.environ.get("CLEANBA_FAULT") == f"{where}@{update}"
+
+
+def bottleneck(learner_wait: float, actor_wait: float) -> str:
+    """The side that waits is not the bottleneck: the learner waits for data when the actors are slower."""
+    if learner_wait > 2 * actor_wait:
+        return f"actors are the bottleneck (learner waited {learner_wait:.2f}s for data)"
+    if actor_wait > 2 * learner_wait:
+        return f"learner is the bottleneck (actors waited {actor_wait:.2f}s for parameters)"
+    return "actors and learner balanced"
+
+
+def rollout(args: Args, cfg: Config, networks: Networks, start_update: int, thread_id: int, device,
+            first_env_index: int, params_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
     """One actor thread: its own EnvPool on the host, inference on `device`."""
     envs = make_env(args.env_id, args.local_num_envs, first_env_index, args.seed)
     env_ids = np.arange(first_env_index, first_env_index + args.local_num_envs)
@@ -361,11 +396,13 @@ def rollout(args: Args, cfg: Config, networks: Networks, thread_id: int, device,
     done = np.zeros(args.local_num_envs, dtype=bool)
     episode_return = np.zeros(args.local_num_envs, dtype=np.float32)
     episode_length = np.zeros(args.local_num_envs, dtype=np.int32)
-    params = None
-    for update in range(1, cfg.num_updates + 1):
+    for update in range(start_update + 1, cfg.num_updates + 1):
         timings = {}
-        # Iteration 2 reuses p1 so that the actor runs one version ahead of the learner (Cleanba §3).
-        if params is None or not args.concurrency or update != 2:
+        if thread_id == 0 and fault_injected("actor", update):
+            raise RuntimeError(f"CLEANBA_FAULT: injected actor failure at update {update}")
+        # The second iteration reuses the first parameters, so that from then on the actor collects the
+        # next batch while the learner trains on the previous one (Cleanba's version timeline).
+        if not args.concurrency or update != start_update + 2:
             with timer(timings, "params_queue_get_time"):
                 params, version = queue_get(params_queue, stop)
                 params = jax.device_put(params, device)
@@ -497,6 +534,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
                 grads, metrics = jax.grad(ppo_loss, has_aux=True)(state.params, mb, count)
                 grads = jax.lax.psum(grads, "devices")
                 metrics = jax.lax.psum(metrics, "devices")
+                metrics["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), metrics
 
             return jax.lax.scan(minibatch, state, minibatch_steps)
@@ -551,18 +589,72 @@ def evaluate(args: Args, networks: Networks, params, num_episodes: int) -> list[
     return returns
 
 
+# Fields that say where and how a run is executed or logged, not what it computes: a run may resume
+# with other values. The global number of environments is part of the algorithm; its split is not.
+LAYOUT_AND_BOOKKEEPING = {
+    "track", "wandb_project_name", "wandb_entity", "save_model", "eval_episodes", "log_frequency", "run_name",
+    "resume", "checkpoint_interval", "checkpoint_minutes", "local_num_envs", "actor_device_ids",
+    "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address", "num_processes",
+    "process_id", "heartbeat_timeout"}
+
+
+def algorithm_config(args: Args, cfg: Config) -> dict:
+    config = {k: v for k, v in dataclasses.asdict(args).items() if k not in LAYOUT_AND_BOOKKEEPING}
+    return {**config, "num_envs": cfg.num_envs}
+
+
+def default_run_name(args: Args, cfg: Config) -> str:
+    digest = hashlib.sha1(json.dumps(algorithm_config(args, cfg), sort_keys=True).encode()).hexdigest()[:8]
+    return f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
+
+
+def save_checkpoint(path: str, state: TrainState, update: int, args: Args, cfg: Config):
+    """Write, flush to disk, then rename: a reader sees the previous checkpoint or this one, never a
+    partial file, whatever interrupts the write."""
+    data = flax.serialization.msgpack_serialize(dict(
+        state=flax.serialization.to_state_dict(state), update=update,
+        config=json.dumps(algorithm_config(args, cfg), sort_keys=True)))
+    with open(f"{path}.tmp", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.tmp", path)
+
+
+def load_checkpoint(path: str, args: Args, cfg: Config) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        checkpoint = flax.serialization.msgpack_restore(f.read())
+    saved, current = json.loads(checkpoint["config"]), algorithm_config(args, cfg)
+    changed = [f"{k} (checkpoint {saved.get(k)!r}, now {current.get(k)!r})"
+               for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if changed:
+        raise ConfigError(f"--run-name {os.path.basename(os.path.dirname(path))} has a checkpoint of another "
+                          f"configuration: {', '.join(changed)}; pass --no-resume to start it over")
+    return checkpoint
+
+
 def main(args: Args):
     try:
         check_args(args)
         if args.distributed:
-            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+            # The heartbeat timeout bounds how long the other processes wait when one of them dies.
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                       heartbeat_timeout_seconds=args.heartbeat_timeout)
         cfg = derive_config(args)
+        run_name = args.run_name or default_run_name(args, cfg)
+        run_dir = f"runs/{run_name}"
+        checkpoint = load_checkpoint(f"{run_dir}/checkpoint.msgpack", args, cfg) if args.resume else None
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     is_main_process = cfg.rank == 0
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = f"runs/{run_name}"
+    start_update = checkpoint["update"] if checkpoint else 0
+    if start_update == cfg.num_updates:
+        print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do "
+              "(--no-resume starts it over, --run-name or --seed starts another)")
+        return
     notation = (f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}"
                 f"-d{cfg.world_size}")
     layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads,
@@ -576,19 +668,29 @@ def main(args: Args):
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=vars(args), name=run_name, save_code=True)
-        writer = SummaryWriter(run_dir)
+                       config=vars(args), name=run_name, save_code=True,
+                       id=hashlib.sha1(run_name.encode()).hexdigest()[:16], resume="allow")
+        # On a restart, purge_step hides what was logged after the checkpoint we resume from.
+        writer = SummaryWriter(run_dir, purge_step=start_update * cfg.batch_size if os.path.isdir(run_dir) else None)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         writer.add_text("layout", json.dumps(layout))
         with open(f"{run_dir}/config.json", "w") as f:
             json.dump(dict(args=dataclasses.asdict(args), layout=layout), f, indent=2)
         # One line per update with the batch fingerprint and the losses at full precision, for
-        # comparing runs after the fact (cleanba/compare_runs.py).
+        # comparing runs after the fact (cleanba/compare_runs.py); a resumed run keeps what it resumes.
+        kept = []
+        if start_update and os.path.exists(f"{run_dir}/updates.jsonl"):
+            with open(f"{run_dir}/updates.jsonl") as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
         updates_log = open(f"{run_dir}/updates.jsonl", "w", buffering=1)
+        updates_log.writelines(kept)
         print(f"run {run_name}: {args.env_id}, {cfg.num_envs} envs x {args.num_steps} steps = "
               f"{cfg.batch_size} per update, {cfg.num_updates} updates; layout {notation} with "
               f"{args.num_actor_threads} actor threads per actor device", flush=True)
+        if checkpoint:
+            print(f"resuming from {run_dir}/checkpoint.msgpack after update {start_update} "
+                  f"(global step {start_update * cfg.batch_size:,}); environments restart their episodes", flush=True)
 
     spec = envpool.make_spec(args.env_id)
     networks = make_networks(spec.observation_space.shape, spec.action_space.n)
@@ -603,12 +705,20 @@ def main(args: Args):
     schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
     tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
     state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    if checkpoint:  # optimiser state and step count included, so the learning-rate schedule continues
+        state = flax.serialization.from_state_dict(state, checkpoint["state"])
+    if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
+        state, start_update = multihost_utils.broadcast_one_to_all((state, start_update))
+        state, start_update = jax.device_get(state), int(start_update)
+    initial_params = state.params
     num_local_learners = len(cfg.local_learner_devices)
     state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (num_local_learners, *np.shape(x))), state)
     update_fn = make_update(args, cfg, networks)
+    any_process = jax.pmap(lambda flag: jax.lax.psum(flag, "devices"), axis_name="devices", devices=cfg.learner_devices)
 
     stop = threading.Event()
     failures = []  # (thread name, formatted traceback)
+    stop_signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C): checkpoint after this update, exit
 
     def run_actor(*thread_args):
         try:
@@ -627,41 +737,53 @@ def main(args: Args):
             params_queue, rollout_queue = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
             thread = threading.Thread(
                 target=run_actor, name=f"actor-{device_index}-{thread_index}", daemon=True,
-                args=(args, cfg, networks, thread_id, device, first_env_index, params_queue, rollout_queue, stop))
+                args=(args, cfg, networks, start_update, thread_id, device, first_env_index, params_queue,
+                      rollout_queue, stop))
             actors.append((thread, params_queue, rollout_queue))
 
     def publish(params, version):
         for _, params_queue, _ in actors:
             queue_put(params_queue, (params, version), stop)
 
+    def write_checkpoint(update):
+        save_checkpoint(f"{run_dir}/checkpoint.msgpack", jax.device_get(first_replica(state)), update, args, cfg)
+        return update, time.time()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
     episodes_since_log = np.zeros(3)  # episodes, return sum, length sum: since the last log line
-    start_time, version = time.time(), 1
-    exit_code = 0
+    start_time = time.time()
+    update = last_checkpoint = start_update
+    last_checkpoint_time = start_time
     try:
         for thread, _, _ in actors:
             thread.start()
-        publish(params, version)
-        for update in range(1, cfg.num_updates + 1):
+        publish(initial_params, start_update + 1)
+        for update in range(start_update + 1, cfg.num_updates + 1):
             timings = {}
             with timer(timings, "rollout_queue_get_time"):
                 items = [queue_get(rollout_queue, stop) for _, _, rollout_queue in actors]
-            data_versions = {item[2] for item in items}
-            if data_versions != {expected_data_version(update, args.concurrency)}:
-                raise RuntimeError(f"version contract violated at update {update}: learner at version {version} "
-                                   f"got data of versions {sorted(data_versions)}, expected "
-                                   f"{expected_data_version(update, args.concurrency)}")
-            data_version = data_versions.pop()
+            if fault_injected("learner", update):
+                raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
+            data_version = expected_data_version(update, start_update + 1, args.concurrency)
+            if {item[2] for item in items} != {data_version}:
+                raise RuntimeError(f"version contract violated at update {update}: learner at version {update} got "
+                                   f"data of versions {sorted({item[2] for item in items})}, expected {data_version}")
             batch = collate([item[4] for item in items], num_local_learners)
             batch["env_ids"] = np.stack(np.split(np.concatenate([item[3] for item in items]), num_local_learners))
+            if fault_injected("nan", update):
+                batch["rewards"][:] = np.nan
             with timer(timings, "update_time"):
-                state, metrics, fingerprint = update_fn(state, batch, update)
+                new_state, metrics, fingerprint = update_fn(state, batch, update)
                 metrics = jax.tree.map(float, first_replica(metrics))
                 fingerprint = f"{int(first_replica(fingerprint)):08x}"
-            if not np.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"non-finite loss at update {update}: {metrics}")
-            version += 1
+            for name in ["loss", "policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"]:
+                if not np.isfinite(value := metrics[name]):  # keep the last good state: never train on it
+                    raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; the last good "
+                                             f"checkpoint is the one after update {last_checkpoint}")
+            state = new_state
             if update < cfg.num_updates:
-                publish(first_replica(state.params), version)
+                publish(first_replica(state.params), update + 1)
 
             global_step = update * cfg.batch_size
             episodes_since_log += [metrics["episodes"], metrics["episodic_return_sum"], metrics["episodic_length_sum"]]
@@ -670,7 +792,7 @@ def main(args: Args):
                                                   fingerprint=fingerprint, **metrics)) + "\n")
             if is_main_process and (update % args.log_frequency == 0 or update == cfg.num_updates):
                 elapsed = time.time() - start_time
-                sps = int(global_step / elapsed)
+                sps = int((update - start_update) * cfg.batch_size / elapsed)
                 actor_timings = {k: np.mean([item[5][k] for item in items]) for k in items[0][5]}
                 episodes, return_sum, length_sum = episodes_since_log
                 if episodes:
@@ -679,18 +801,29 @@ def main(args: Args):
                 writer.add_scalar("charts/SPS", sps, global_step)
                 lr = schedule(update * args.update_epochs * args.num_minibatches) if args.anneal_lr else schedule
                 writer.add_scalar("charts/learning_rate", float(lr), global_step)
-                for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "loss"]:
+                for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "loss", "grad_norm"]:
                     writer.add_scalar(f"losses/{name}", metrics[name], global_step)
                 writer.add_scalar("stats/actor_policy_version", data_version, global_step)
-                writer.add_scalar("stats/learner_policy_version", version - 1, global_step)
+                writer.add_scalar("stats/learner_policy_version", update, global_step)
                 writer.add_scalar("stats/update", update, global_step)
                 for name, seconds in {**actor_timings, **timings}.items():
                     writer.add_scalar(f"stats/{name}", seconds, global_step)
-                eta = elapsed / update * (cfg.num_updates - update)
+                eta = elapsed / (update - start_update) * (cfg.num_updates - update)
                 recent = f"{return_sum / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
                 episodes_since_log[:] = 0
                 print(f"update {update}/{cfg.num_updates} | step {global_step:,} | SPS {sps:,} | "
-                      f"return {recent} | ETA {eta / 60:.1f} min", flush=True)
+                      f"return {recent} | ETA {eta / 60:.1f} min | "
+                      f"{bottleneck(timings['rollout_queue_get_time'], actor_timings.get('params_queue_get_time', 0))}",
+                      flush=True)
+
+            stop_now = bool(stop_signals)
+            if cfg.world_size > 1:  # all processes must leave after the same update, or a collective hangs
+                stop_now = int(first_replica(any_process(np.full(num_local_learners, stop_now, np.int32)))) > 0
+            if stop_now:
+                break
+            if is_main_process and ((args.checkpoint_interval and update % args.checkpoint_interval == 0)
+                                    or time.time() - last_checkpoint_time > 60 * args.checkpoint_minutes):
+                last_checkpoint, last_checkpoint_time = write_checkpoint(update)
     except StopRequested:
         pass
     except BaseException:
@@ -702,8 +835,14 @@ def main(args: Args):
     if failures:
         for name, trace in failures:
             print(f"error in thread {name}:\n{trace}", file=sys.stderr)
-        exit_code = 1
-    elif is_main_process and args.save_model:
+    elif is_main_process:
+        write_checkpoint(update)
+    preempted = not failures and update < cfg.num_updates
+    if preempted and is_main_process:
+        print(f"stopped by {signal.Signals(stop_signals[0]).name if stop_signals else 'another process'} after "
+              f"update {update} (global step {update * cfg.batch_size:,}); checkpoint written to "
+              f"{run_dir}/checkpoint.msgpack: run the same command to resume", flush=True)
+    if is_main_process and args.save_model and not failures and not preempted:
         params = jax.device_get(first_replica(state.params))
         model_path = f"{run_dir}/{args.exp_name}.cleanba_model"
         with open(model_path, "wb") as f:
@@ -717,12 +856,17 @@ def main(args: Args):
     if is_main_process:
         writer.close()
         updates_log.close()
-    if args.track and is_main_process:
+    if failures:
+        if args.distributed:  # skip JAX's exit barrier, which would wait for processes stuck in a collective
+            sys.stderr.flush()
+            os._exit(1)
+        sys.exit(1)
+    if preempted:
+        sys.exit(128 + (stop_signals[0] if stop_signals else signal.SIGTERM))
+    if is_main_process and args.track:
         import wandb
 
-        wandb.finish(exit_code=exit_code)
-    if exit_code:
-        sys.exit(exit_code)
+        wandb.finish()
 
 
 if __name__ == "__main__":

@@ -30,10 +30,17 @@ def iter_events(path: str):
 
 
 def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value), ...]} over every event file of the run directory, in the order written."""
+    """{tag: [(step, value), ...]} over every event file of the run directory, in the order written.
+
+    A resumed run starts a new file with a SessionLog START at its resume step (tensorboardX's
+    purge_step): as in TensorBoard, points logged before it at that step or later are dropped.
+    """
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
         for event in iter_events(path):
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                for tag in scalars:
+                    scalars[tag] = [(step, value) for step, value in scalars[tag] if step < event.step]
             for value in event.summary.value:
                 if value.HasField("simple_value"):
                     scalars.setdefault(value.tag, []).append((event.step, value.simple_value))

@@ -31,9 +31,10 @@ def run(cwd, *flags, algo="ppo", num_devices=None, timeout=300) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout)
 
 
-def start(cwd, *flags, algo="ppo", num_devices=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd, env=script_env(num_devices),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(cwd, *flags, algo="ppo", num_devices=None, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd,
+                            env=env or script_env(num_devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

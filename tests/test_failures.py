@@ -1,0 +1,163 @@
+"""Failure semantics (DESIGN.md §8): failures stop the run quickly and loudly, preemption checkpoints
+and resumes, a corrupt checkpoint is never read, a non-finite loss stops training.
+
+Faults are injected with the scripts' documented test hook CLEANBA_FAULT=<actor|learner|nan>@<update>.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import flax.serialization
+import numpy as np
+import pytest
+from helpers import CARTPOLE, free_port, only_run, read_scalars, script_env, start, values
+
+LONG_CARTPOLE = [*CARTPOLE, "--total-timesteps", 2_000_000, "--log-frequency", 50]
+
+
+def run_with_fault(cwd, fault, *flags, timeout=90):
+    env = dict(script_env(), CLEANBA_FAULT=fault)
+    proc = start(cwd, *flags, env=env)
+    return proc, proc.communicate(timeout=timeout)[0]  # a hang fails the test with TimeoutExpired
+
+
+def wait_for_updates(run_dir_parent, count, proc, timeout=120):
+    """Blocks until the run has logged `count` updates (read from its updates.jsonl)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        path = os.path.join(run_dir_parent, "runs")
+        logs = [os.path.join(path, d, "updates.jsonl") for d in os.listdir(path)] if os.path.isdir(path) else []
+        if logs and os.path.exists(logs[0]) and sum(1 for _ in open(logs[0])) >= count:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"fewer than {count} updates after {timeout}s")
+
+
+def load_checkpoint(run_dir):
+    with open(os.path.join(run_dir, "checkpoint.msgpack"), "rb") as f:
+        return flax.serialization.msgpack_restore(f.read())
+
+
+def no_process_left(marker):
+    """True when no process's command line contains marker (a unique --exp-name)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    return False
+        except OSError:
+            pass
+    return True
+
+
+@pytest.mark.parametrize("where", ["actor", "learner"])
+def test_thread_failure_stops_the_run(tmp_path, where):
+    marker = f"fault-{where}-{os.getpid()}"
+    start_time = time.time()
+    proc, output = run_with_fault(tmp_path, f"{where}@3", *LONG_CARTPOLE, "--num-actor-threads", 2,
+                                  "--exp-name", marker)
+    assert proc.returncode == 1, output[-3000:]
+    assert time.time() - start_time < 60  # start-up and compilation included
+    assert output.count("Traceback") == 1, output
+    assert f"injected {where} failure at update 3" in output
+    assert f"error in thread {'actor-0-' if where == 'actor' else 'MainThread'}" in output
+    assert no_process_left(marker)
+
+
+def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path):
+    from test_ppo import CARTPOLE_SOLVE
+
+    flags = [*CARTPOLE_SOLVE, "--concurrency", "--checkpoint-interval", 0]
+    proc = start(tmp_path, *flags)
+    wait_for_updates(tmp_path, 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    output = proc.communicate(timeout=30)[0]
+    assert time.time() - sent < 30
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM after update" in output and "run the same command to resume" in output
+    run_dir = only_run(tmp_path)
+    interrupted = load_checkpoint(run_dir)["update"]
+    assert interrupted >= 120
+
+    proc = start(tmp_path, *flags)  # the same command
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert f"resuming from {run_dir[len(str(tmp_path)) + 1:]}/checkpoint.msgpack after update {interrupted}" in output
+    assert only_run(tmp_path) == run_dir
+
+    with open(os.path.join(run_dir, "updates.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    num_updates = 300_000 // (8 * 128)
+    assert [r["update"] for r in records] == list(range(1, num_updates + 1))  # no gap, no repeat
+    versions = [r["data_version"] for r in records]  # the version contract restarts with the pipeline
+    assert versions[interrupted] == interrupted + 1
+    assert versions[interrupted + 1:] == list(range(interrupted + 1, num_updates))
+
+    scalars = read_scalars(run_dir)
+    steps = [step for step, _ in scalars["charts/learning_rate"]]
+    assert steps == sorted(set(steps)) and steps[-1] == num_updates * 8 * 128
+    for step, lr in scalars["charts/learning_rate"]:  # the schedule continued where it stopped
+        assert lr == pytest.approx(1e-3 * (1 - step / (num_updates * 8 * 128)), abs=1e-7)
+    assert np.mean(values(scalars, "charts/episodic_return")[-3:]) >= 450  # same band as uninterrupted
+
+
+def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
+    """Signals and kills land at arbitrary moments of a run that checkpoints after every update,
+    including during writes; every restart must resume from a complete checkpoint."""
+    flags = [*LONG_CARTPOLE, "--checkpoint-interval", 1, "--total-timesteps", 300 * 8 * 32]
+    rng = np.random.default_rng(0)
+    resumed_from = []
+    for round_index, kill in enumerate([signal.SIGKILL, signal.SIGTERM, signal.SIGKILL]):
+        proc = start(tmp_path, *flags)
+        wait_for_updates(tmp_path, 20 * (round_index + 1), proc)
+        time.sleep(rng.uniform(0, 0.5))
+        proc.send_signal(kill)
+        if kill == signal.SIGTERM:
+            time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)  # a second signal while the checkpoint is being written
+        output = proc.communicate(timeout=30)[0]
+        assert proc.returncode == (-signal.SIGKILL if kill == signal.SIGKILL else 128 + signal.SIGTERM), output
+        if round_index and "resuming from" not in output:
+            raise AssertionError(output[-3000:])
+        resumed_from.append(load_checkpoint(only_run(tmp_path))["update"])
+    with open(os.path.join(only_run(tmp_path), "checkpoint.msgpack.tmp"), "wb") as f:
+        f.write(b"\x00 a write cut short")  # what a kill in the middle of a write leaves behind
+    proc = start(tmp_path, *flags)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and f"after update {resumed_from[-1]}" in output, output[-3000:]
+    assert load_checkpoint(only_run(tmp_path))["update"] == 300
+    assert resumed_from == sorted(resumed_from)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    proc, output = run_with_fault(tmp_path, "nan@6", *LONG_CARTPOLE, "--checkpoint-interval", 1)
+    assert proc.returncode == 1
+    assert "non-finite loss (nan) at update 6" in output
+    assert "last good checkpoint is the one after update 5" in output
+    checkpoint = load_checkpoint(only_run(tmp_path))
+    assert checkpoint["update"] == 5
+    leaves = [np.asarray(x) for x in flax.traverse_util.flatten_dict(checkpoint["state"]["params"]).values()]
+    assert all(np.all(np.isfinite(leaf)) for leaf in leaves)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killing_one_process_stops_the_other(tmp_path, victim):
+    """Bound: the survivor exits non-zero within a few seconds when its peer's process is gone (the
+    collective's connection breaks), and within --heartbeat-timeout when the peer hangs instead."""
+    flags = [*LONG_CARTPOLE, "--num-actor-threads", 1, "--distributed", "--coordinator-address",
+             f"127.0.0.1:{free_port()}", "--num-processes", 2, "--heartbeat-timeout", 10]
+    procs = [start(tmp_path, *flags, "--process-id", rank) for rank in (0, 1)]
+    wait_for_updates(tmp_path, 20, procs[0])
+    procs[victim].kill()
+    killed = time.time()
+    survivor = procs[1 - victim]
+    output = survivor.communicate(timeout=60)[0]
+    assert survivor.returncode != 0, output[-3000:]
+    assert time.time() - killed < 10 + 5, "the survivor outlived the heartbeat bound"
+    procs[victim].wait()
