@@ -368,9 +368,9 @@ def fault_injected(where: str, update: int) -> bool:
 
 def bottleneck(learner_wait: float, actor_wait: float) -> str:
     """The side that waits is not the bottleneck: the learner waits for data when the actors are slower."""
-    if learner_wait > 2 * actor_wait:
+    if learner_wait > 2 * actor_wait + 1e-3:  # waits under a millisecond are noise
         return f"actors are the bottleneck (learner waited {learner_wait:.2f}s for data)"
-    if actor_wait > 2 * learner_wait:
+    if actor_wait > 2 * learner_wait + 1e-3:
         return f"learner is the bottleneck (actors waited {actor_wait:.2f}s for parameters)"
     return "actors and learner balanced"
 

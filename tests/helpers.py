@@ -11,12 +11,27 @@ sys.path.insert(0, os.path.join(REPO, "cleanba"))
 
 from events import read_scalars  # noqa: E402
 
-SCRIPTS = {"ppo": os.path.join(REPO, "cleanba", "cleanba_ppo.py")}
+SCRIPTS = {algo: os.path.join(REPO, "cleanba", f"cleanba_{algo}.py") for algo in ("ppo", "impala")}
 
-# Small, fast settings shared by the tests; each test adds what it is about.
+ALGOS = list(SCRIPTS)
+
+# Small, fast settings shared by the tests; each test adds what it is about. With the default 2 actor
+# threads, CARTPOLE has 8 envs of 32 steps: 256 per update.
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--log-frequency", "1"]
-BREAKOUT = ["--env-id", "Breakout-v5", "--local-num-envs", "2", "--num-actor-threads", "1", "--num-steps", "16",
-            "--num-minibatches", "2", "--update-epochs", "1", "--log-frequency", "1"]
+# Breakout with 4 envs of 16 steps and 2 minibatches (PPO: along time, one epoch; IMPALA: along envs).
+BREAKOUT = {
+    "ppo": ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", "16",
+            "--num-minibatches", "2", "--update-epochs", "1", "--log-frequency", "1"],
+    "impala": ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", "16",
+               "--num-minibatches", "2", "--log-frequency", "1"],
+}
+# CartPole-v1 is solved (mean return >= 450 of a 500 cap) within these budgets: 300k steps, ~30 s here.
+CARTPOLE_SOLVE = {
+    "ppo": ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "128",
+            "--learning-rate", "1e-3", "--clip-coef", "0.2", "--total-timesteps", "300000", "--log-frequency", "10"],
+    "impala": ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "20",
+               "--learning-rate", "1e-3", "--total-timesteps", "300000", "--log-frequency", "75"],
+}
 
 
 def script_env(num_devices: int | None = None) -> dict:
@@ -83,3 +98,13 @@ def train(cwd, *flags, num_processes=1, **kwargs) -> str:
     else:
         check(run(cwd, *flags, **kwargs))
     return only_run(cwd)
+
+
+def load_script(algo: str):
+    """Imports a training script as a module (its main() only runs as __main__), for unit checks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"cleanba_{algo}", SCRIPTS[algo])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

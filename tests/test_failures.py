@@ -13,14 +13,15 @@ import time
 import flax.serialization
 import numpy as np
 import pytest
-from helpers import CARTPOLE, free_port, only_run, read_scalars, script_env, start, values
+from helpers import ALGOS, CARTPOLE, CARTPOLE_SOLVE, free_port, only_run, read_scalars, script_env, start, values
 
 LONG_CARTPOLE = [*CARTPOLE, "--total-timesteps", 2_000_000, "--log-frequency", 50]
+each_algo = pytest.mark.parametrize("algo", ALGOS)
 
 
-def run_with_fault(cwd, fault, *flags, timeout=90):
+def run_with_fault(cwd, fault, *flags, algo, timeout=90):
     env = dict(script_env(), CLEANBA_FAULT=fault)
-    proc = start(cwd, *flags, env=env)
+    proc = start(cwd, *flags, env=env, algo=algo)
     return proc, proc.communicate(timeout=timeout)[0]  # a hang fails the test with TimeoutExpired
 
 
@@ -54,12 +55,13 @@ def no_process_left(marker):
     return True
 
 
+@each_algo
 @pytest.mark.parametrize("where", ["actor", "learner"])
-def test_thread_failure_stops_the_run(tmp_path, where):
+def test_thread_failure_stops_the_run(tmp_path, algo, where):
     marker = f"fault-{where}-{os.getpid()}"
     start_time = time.time()
     proc, output = run_with_fault(tmp_path, f"{where}@3", *LONG_CARTPOLE, "--num-actor-threads", 2,
-                                  "--exp-name", marker)
+                                  "--exp-name", marker, algo=algo)
     assert proc.returncode == 1, output[-3000:]
     assert time.time() - start_time < 60  # start-up and compilation included
     assert output.count("Traceback") == 1, output
@@ -68,11 +70,10 @@ def test_thread_failure_stops_the_run(tmp_path, where):
     assert no_process_left(marker)
 
 
-def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path):
-    from test_ppo import CARTPOLE_SOLVE
-
-    flags = [*CARTPOLE_SOLVE, "--concurrency", "--checkpoint-interval", 0]
-    proc = start(tmp_path, *flags)
+@each_algo
+def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path, algo):
+    flags = [*CARTPOLE_SOLVE[algo], "--concurrency", "--checkpoint-interval", 0]
+    proc = start(tmp_path, *flags, algo=algo)
     wait_for_updates(tmp_path, 120, proc)
     proc.send_signal(signal.SIGTERM)
     sent = time.time()
@@ -84,7 +85,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path):
     interrupted = load_checkpoint(run_dir)["update"]
     assert interrupted >= 120
 
-    proc = start(tmp_path, *flags)  # the same command
+    proc = start(tmp_path, *flags, algo=algo)  # the same command
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-3000:]
     assert f"resuming from {run_dir[len(str(tmp_path)) + 1:]}/checkpoint.msgpack after update {interrupted}" in output
@@ -92,7 +93,9 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path):
 
     with open(os.path.join(run_dir, "updates.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    num_updates = 300_000 // (8 * 128)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        layout = json.load(f)["layout"]
+    num_updates, batch_size = layout["num_updates"], layout["batch_size"]
     assert [r["update"] for r in records] == list(range(1, num_updates + 1))  # no gap, no repeat
     versions = [r["data_version"] for r in records]  # the version contract restarts with the pipeline
     assert versions[interrupted] == interrupted + 1
@@ -100,20 +103,21 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path):
 
     scalars = read_scalars(run_dir)
     steps = [step for step, _ in scalars["charts/learning_rate"]]
-    assert steps == sorted(set(steps)) and steps[-1] == num_updates * 8 * 128
+    assert steps == sorted(set(steps)) and steps[-1] == num_updates * batch_size
     for step, lr in scalars["charts/learning_rate"]:  # the schedule continued where it stopped
-        assert lr == pytest.approx(1e-3 * (1 - step / (num_updates * 8 * 128)), abs=1e-7)
+        assert lr == pytest.approx(1e-3 * (1 - step / (num_updates * batch_size)), abs=1e-7)
     assert np.mean(values(scalars, "charts/episodic_return")[-3:]) >= 450  # same band as uninterrupted
 
 
-def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
+@each_algo
+def test_interrupted_checkpoint_writes_are_never_read(tmp_path, algo):
     """Signals and kills land at arbitrary moments of a run that checkpoints after every update,
     including during writes; every restart must resume from a complete checkpoint."""
     flags = [*LONG_CARTPOLE, "--checkpoint-interval", 1, "--total-timesteps", 300 * 8 * 32]
     rng = np.random.default_rng(0)
     resumed_from = []
     for round_index, kill in enumerate([signal.SIGKILL, signal.SIGTERM, signal.SIGKILL]):
-        proc = start(tmp_path, *flags)
+        proc = start(tmp_path, *flags, algo=algo)
         wait_for_updates(tmp_path, 20 * (round_index + 1), proc)
         time.sleep(rng.uniform(0, 0.5))
         proc.send_signal(kill)
@@ -127,15 +131,16 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
         resumed_from.append(load_checkpoint(only_run(tmp_path))["update"])
     with open(os.path.join(only_run(tmp_path), "checkpoint.msgpack.tmp"), "wb") as f:
         f.write(b"\x00 a write cut short")  # what a kill in the middle of a write leaves behind
-    proc = start(tmp_path, *flags)
+    proc = start(tmp_path, *flags, algo=algo)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and f"after update {resumed_from[-1]}" in output, output[-3000:]
     assert load_checkpoint(only_run(tmp_path))["update"] == 300
     assert resumed_from == sorted(resumed_from)
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    proc, output = run_with_fault(tmp_path, "nan@6", *LONG_CARTPOLE, "--checkpoint-interval", 1)
+@each_algo
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, algo):
+    proc, output = run_with_fault(tmp_path, "nan@6", *LONG_CARTPOLE, "--checkpoint-interval", 1, algo=algo)
     assert proc.returncode == 1
     assert "non-finite loss (nan) at update 6" in output
     assert "last good checkpoint is the one after update 5" in output
@@ -145,14 +150,15 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(np.all(np.isfinite(leaf)) for leaf in leaves)
 
 
+@each_algo
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
-def test_killing_one_process_stops_the_other(tmp_path, victim):
+def test_killing_one_process_stops_the_other(tmp_path, algo, victim):
     """Bound: the survivor exits non-zero within a few seconds when its peer's process is gone (the
     collective's connection breaks), and within --heartbeat-timeout when the peer hangs instead."""
     flags = [*LONG_CARTPOLE, "--num-actor-threads", 1, "--distributed", "--coordinator-address",
              f"127.0.0.1:{free_port()}", "--num-processes", 2, "--heartbeat-timeout", 10]
-    procs = [start(tmp_path, *flags, "--process-id", rank) for rank in (0, 1)]
+    procs = [start(tmp_path, *flags, "--process-id", rank, algo=algo) for rank in (0, 1)]
     wait_for_updates(tmp_path, 20, procs[0])
     procs[victim].kill()
     killed = time.time()

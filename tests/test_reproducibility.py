@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import BREAKOUT, CARTPOLE, REPO, read_scalars, train
+from helpers import ALGOS, BREAKOUT, CARTPOLE, REPO, read_scalars, train
 
 from compare_runs import compare, load_run, within_tolerance
 
@@ -23,6 +23,7 @@ COMPARED_UPDATES = 10
 
 # 8 environments in total, 12 updates; each layout below splits the same global configuration.
 CARTPOLE_8_ENVS = [*CARTPOLE, "--total-timesteps", 12 * 8 * 32]
+each_algo = pytest.mark.parametrize("algo", ALGOS)
 
 
 def assert_same_batches_close_losses(run_a, run_b, loss_updates=COMPARED_UPDATES):
@@ -35,9 +36,10 @@ def assert_same_batches_close_losses(run_a, run_b, loss_updates=COMPARED_UPDATES
     return result
 
 
-def test_same_layout_twice_is_bitwise_identical(tmp_path):
+@each_algo
+def test_same_layout_twice_is_bitwise_identical(tmp_path, algo):
     flags = [*CARTPOLE_8_ENVS, "--num-actor-threads", 2]
-    run_a, run_b = train(tmp_path / "a", *flags), train(tmp_path / "b", *flags)
+    run_a, run_b = train(tmp_path / "a", *flags, algo=algo), train(tmp_path / "b", *flags, algo=algo)
     assert load_run(run_a)[1] == load_run(run_b)[1]  # every fingerprint and loss, bit for bit
     scalars_a, scalars_b = read_scalars(run_a), read_scalars(run_b)
     for tag in ["charts/episodic_return", "charts/episodic_length", "losses/loss", "losses/policy_loss",
@@ -46,47 +48,56 @@ def test_same_layout_twice_is_bitwise_identical(tmp_path):
     assert len({record["fingerprint"] for record in load_run(run_a)[1]}) == 12  # every batch is new data
 
 
-def test_one_vs_two_learner_devices(tmp_path):
+@each_algo
+def test_one_vs_two_learner_devices(tmp_path, algo):
     one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8,
-                "--actor-device-ids", 0, "--learner-device-ids", 0, num_devices=3)
+                "--actor-device-ids", 0, "--learner-device-ids", 0, num_devices=3, algo=algo)
     two = train(tmp_path / "two", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8,
-                "--actor-device-ids", 0, "--learner-device-ids", 1, 2, num_devices=3)
+                "--actor-device-ids", 0, "--learner-device-ids", 1, 2, num_devices=3, algo=algo)
     assert load_run(two)[0]["layout"]["notation"] == "a0-l1,2-d1"
     assert_same_batches_close_losses(one, two)
 
 
-def test_one_vs_two_actor_threads(tmp_path):
-    one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8)
-    two = train(tmp_path / "two", *CARTPOLE_8_ENVS, "--num-actor-threads", 2, "--local-num-envs", 4)
+@each_algo
+def test_one_vs_two_actor_threads(tmp_path, algo):
+    one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8, algo=algo)
+    two = train(tmp_path / "two", *CARTPOLE_8_ENVS, "--num-actor-threads", 2, "--local-num-envs", 4, algo=algo)
     assert_same_batches_close_losses(one, two)
 
 
+@each_algo
 @pytest.mark.slow
-def test_one_vs_two_processes(tmp_path):
-    one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8)
+def test_one_vs_two_processes(tmp_path, algo):
+    one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8, algo=algo)
     two = train(tmp_path / "two", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 4,
-                num_processes=2)
+                num_processes=2, algo=algo)
     assert load_run(two)[0]["layout"]["processes"] == 2
     assert_same_batches_close_losses(one, two)
 
 
+@each_algo
 @pytest.mark.slow
-def test_atari_one_vs_two_learner_devices(tmp_path):
+def test_atari_one_vs_two_learner_devices(tmp_path, algo):
     """Identical batches for 10 updates; losses within tolerance for the first 3. Before Breakout's first
-    reward many gradient components are near-cancelling sums, and Adam's early steps (m/sqrt(v) is about
-    sign(g)) turn their reassociation noise into lr-sized parameter differences, so the losses then drift
-    apart (measured: ~2e-5 of their scale by update 10) while the data stay the same."""
-    flags = [*BREAKOUT, "--total-timesteps", COMPARED_UPDATES * 2 * 16]  # one env per learner device
-    one = train(tmp_path / "one", *flags, "--learner-device-ids", 0, num_devices=3)
-    two = train(tmp_path / "two", *flags, "--learner-device-ids", 1, 2, num_devices=3)
+    reward many gradient components are near-cancelling sums, and the optimiser's early steps (Adam's
+    m/sqrt(v) is about sign(g); RMSProp's g/sqrt(v) too) turn their reassociation noise into lr-sized
+    parameter differences, so the losses then drift apart while the data stay the same."""
+    # The smallest batches that still split over 2 devices: PPO one env per device (minibatches split
+    # time), IMPALA 2 envs per device (its 2 minibatches split envs).
+    envs, steps = {"ppo": (2, 16), "impala": (4, 8)}[algo]
+    flags = [*BREAKOUT[algo], "--local-num-envs", envs, "--num-steps", steps,
+             "--total-timesteps", COMPARED_UPDATES * envs * steps]
+    one = train(tmp_path / "one", *flags, "--learner-device-ids", 0, num_devices=3, algo=algo)
+    two = train(tmp_path / "two", *flags, "--learner-device-ids", 1, 2, num_devices=3, algo=algo)
     assert_same_batches_close_losses(one, two, loss_updates=3)
 
 
-def test_cleanba_architecture_vs_synchronous(tmp_path):
+@each_algo
+def test_cleanba_architecture_vs_synchronous(tmp_path, algo):
     """Both follow their version contract; the data agree while both use p1 and differ from iteration 3,
     where the Cleanba actor still uses p2's predecessor. compare_runs.py reports it and exits 1."""
-    cleanba = train(tmp_path / "cleanba", *CARTPOLE_8_ENVS, "--concurrency")
-    synchronous = train(tmp_path / "sync", *CARTPOLE_8_ENVS, "--no-concurrency")
+    cleanba = train(tmp_path / "cleanba", *CARTPOLE_8_ENVS, "--concurrency", algo=algo)
+    synchronous = train(tmp_path / "sync", *CARTPOLE_8_ENVS, "--no-concurrency", algo=algo)
     records_cleanba, records_sync = load_run(cleanba)[1], load_run(synchronous)[1]
     assert [r["data_version"] for r in records_cleanba] == [1] + list(range(1, 12))
     assert [r["data_version"] for r in records_sync] == list(range(1, 13))
@@ -100,9 +111,10 @@ def test_cleanba_architecture_vs_synchronous(tmp_path):
     assert result.returncode == 0 and "identical" in result.stdout, result.stdout
 
 
-def test_layout_is_recorded(tmp_path):
+@each_algo
+def test_layout_is_recorded(tmp_path, algo):
     run_dir = train(tmp_path, *CARTPOLE, "--total-timesteps", 256, "--actor-device-ids", 1,
-                    "--learner-device-ids", 0, 2, num_devices=3)
+                    "--learner-device-ids", 0, 2, num_devices=3, algo=algo)
     with open(os.path.join(run_dir, "config.json")) as f:
         layout = json.load(f)["layout"]
     assert layout["notation"] == "a1-l0,2-d1" and layout["processes"] == 1
