@@ -27,6 +27,16 @@ if [ -z "${POETRY_PYPI_MIRROR_URL:-}" ]; then
   export POETRY_PYPI_MIRROR_URL
 fi
 
+# The SLURM tests (tests/test_launch.py) start a one-node cluster: Debian's slurm-wlm and munge.
+if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+  else
+    echo "setup.sh: the SLURM tests need Debian's slurm-wlm and munge (as root: apt-get install slurm-wlm" \
+         "munge); without them, run the tests with -m 'not slurm'" >&2
+  fi
+fi
+
 .tools/bin/poetry env use --quiet "$python"
 .tools/bin/poetry install --no-interaction --quiet
 echo "setup.sh: environment ready in .venv/ (python: $(.venv/bin/python --version))"

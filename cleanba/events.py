@@ -29,21 +29,23 @@ def iter_events(path: str):
             yield event
 
 
-def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value), ...]} over every event file of the run directory, in the order written.
+def read_scalars(run_dir: str, wall_time: bool = False) -> dict[str, list[tuple]]:
+    """{tag: [(step, value), ...]} over every event file of the run directory, in the order written;
+    with wall_time, (step, value, unix time of the point).
 
     A resumed run starts a new file with a SessionLog START at its resume step (tensorboardX's
     purge_step): as in TensorBoard, points logged before it at that step or later are dropped.
     """
-    scalars: dict[str, list[tuple[int, float]]] = {}
+    scalars: dict[str, list[tuple]] = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
         for event in iter_events(path):
             if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
                 for tag in scalars:
-                    scalars[tag] = [(step, value) for step, value in scalars[tag] if step < event.step]
+                    scalars[tag] = [point for point in scalars[tag] if point[0] < event.step]
             for value in event.summary.value:
                 if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+                    point = (event.step, value.simple_value, event.wall_time) if wall_time else (event.step, value.simple_value)
+                    scalars.setdefault(value.tag, []).append(point)
     return scalars
 
 

@@ -100,11 +100,15 @@ def train(cwd, *flags, num_processes=1, **kwargs) -> str:
     return only_run(cwd)
 
 
-def load_script(algo: str):
-    """Imports a training script as a module (its main() only runs as __main__), for unit checks."""
+def load_module(path: str):
+    """Imports a script as a module (its main() only runs as __main__), for unit checks."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"cleanba_{algo}", SCRIPTS[algo])
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[: -len(".py")], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_script(algo: str):
+    return load_module(SCRIPTS[algo])

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The experiment grids, as launcher commands. Usage: bash benchmark.sh GRID [launcher flags...]
+#
+#   laptop                   PPO and IMPALA on CartPole-v1 and Acrobot-v1, 3 seeds, on this machine
+#                            (2 workers, ~5 minutes on 2 CPU cores); then:
+#                            .venv/bin/python cleanba/aggregate.py runs --out results
+#   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
+#   ppo-atari57-cleanba      the same with the Cleanba architecture (--concurrency)
+#   impala-atari57           IMPALA, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), Cleanba architecture
+#   impala-atari57-sync      the same, synchronous (--no-concurrency)
+#   ppo-atari57-8gpu         PPO on 8 GPUs per run: actors on 0 and 1, learner on 2..7 (a0,1-l2,3,4,5,6,7-d1)
+#   impala-atari57-8gpu      IMPALA on 8 GPUs per run, same layout
+#   impala-atari57-2nodes    IMPALA on 2 nodes x 4 GPUs per run (a0-l1,2,3-d2), --distributed under srun
+#
+# The 8-GPU and 2-node grids use 120 environments (2 actor devices or 2 nodes x 2 threads x 30), which
+# split evenly over 6 learner devices (20 each, 5 per IMPALA minibatch); 128 would not.
+# The Atari grids go to SLURM (cleanba/launch.py --slurm); add --dry-run to see the sbatch script, and
+# --partition/--time as your cluster needs. Every run name is derived from its configuration, so a
+# requeued or resubmitted task resumes from its checkpoint.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-.venv/bin/python}
+
+ATARI57="Alien-v5 Amidar-v5 Assault-v5 Asterix-v5 Asteroids-v5 Atlantis-v5 BankHeist-v5 BattleZone-v5
+BeamRider-v5 Berzerk-v5 Bowling-v5 Boxing-v5 Breakout-v5 Centipede-v5 ChopperCommand-v5 CrazyClimber-v5
+Defender-v5 DemonAttack-v5 DoubleDunk-v5 Enduro-v5 FishingDerby-v5 Freeway-v5 Frostbite-v5 Gopher-v5
+Gravitar-v5 Hero-v5 IceHockey-v5 Jamesbond-v5 Kangaroo-v5 Krull-v5 KungFuMaster-v5 MontezumaRevenge-v5
+MsPacman-v5 NameThisGame-v5 Phoenix-v5 Pitfall-v5 Pong-v5 PrivateEye-v5 Qbert-v5 Riverraid-v5 RoadRunner-v5
+Robotank-v5 Seaquest-v5 Skiing-v5 Solaris-v5 SpaceInvaders-v5 StarGunner-v5 Surround-v5 Tennis-v5
+TimePilot-v5 Tutankham-v5 UpNDown-v5 Venture-v5 VideoPinball-v5 WizardOfWor-v5 YarsRevenge-v5 Zaxxon-v5"
+SEEDS="1 2 3"
+launch() { $PYTHON cleanba/launch.py "$@"; }
+
+grid=${1:-}
+shift || true
+case "$grid" in
+  laptop)
+    launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 "$@" -- \
+      $PYTHON cleanba/cleanba_ppo.py --exp-name ppo_laptop --local-num-envs 8 --num-actor-threads 1 \
+      --learning-rate 1e-3 --clip-coef 0.2 --total-timesteps 200000 --log-frequency 10
+    launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 "$@" -- \
+      $PYTHON cleanba/cleanba_impala.py --exp-name impala_laptop --local-num-envs 8 --num-actor-threads 1 \
+      --learning-rate 1e-3 --total-timesteps 200000 --log-frequency 50 ;;
+  ppo-atari57)
+    launch --slurm --job-name ppo --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_a0_l0_d1 --track ;;
+  ppo-atari57-cleanba)
+    launch --slurm --job-name ppo-cleanba --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_concurrency_a0_l0_d1 --concurrency --track ;;
+  impala-atari57)
+    launch --slurm --job-name impala --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+      $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_a0_l0_d1 --track ;;
+  impala-atari57-sync)
+    launch --slurm --job-name impala-sync --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+      $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_sync_a0_l0_d1 --no-concurrency --track ;;
+  ppo-atari57-8gpu)
+    launch --slurm --job-name ppo-8gpu --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 8 --cpus-per-task 46 "$@" -- \
+      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_a01_l234567_d1 --actor-device-ids 0 1 \
+      --learner-device-ids 2 3 4 5 6 7 --local-num-envs 30 --track ;;
+  impala-atari57-8gpu)
+    launch --slurm --job-name impala-8gpu --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 8 --cpus-per-task 46 "$@" -- \
+      $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_a01_l234567_d1 --actor-device-ids 0 1 \
+      --learner-device-ids 2 3 4 5 6 7 --local-num-envs 30 --track ;;
+  impala-atari57-2nodes)
+    launch --slurm --job-name impala-2nodes --env-ids $ATARI57 --seeds $SEEDS --nodes 2 --ntasks-per-node 1 \
+      --gpus-per-task 4 --cpus-per-task 20 "$@" -- \
+      $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_a0_l123_d2 --actor-device-ids 0 \
+      --learner-device-ids 1 2 3 --local-num-envs 30 --distributed --track ;;
+  *)
+    sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
+    [ -z "$grid" ] && exit 0 || { echo "unknown grid: $grid" >&2; exit 2; } ;;
+esac

@@ -1,0 +1,237 @@
+"""Reads the TensorBoard logs of a grid of runs and reports scores, aggregates and plots.
+
+    python cleanba/aggregate.py runs/ --out results/
+
+For every run under the given directories (a run is a directory with config.json and event files):
+the final score is the mean `charts/episodic_return` over the last --last-fraction of its logged points.
+Runs are grouped by method (the run's --exp-name) and environment. Written to --out:
+
+- scores.csv: one row per run: method, env id, seed, steps, final score, human-normalised score (HNS)
+- games.md / games.csv: per method and game, the mean final score and HNS over seeds
+- aggregates.md / aggregates.csv: per method, median, mean and IQM of the HNS (raw scores for
+  environments without Atari reference scores) with 95% stratified-bootstrap confidence intervals
+  (Agarwal et al., 2021, "Deep RL at the Edge of the Statistical Precipice")
+- curves_<env>.png: mean +- 95% CI over seeds against environment steps and against wall-clock time
+- aggregates.png: the aggregate intervals
+
+Partial grids (missing seeds or games, unfinished runs) are reported as they are. A tool: the training
+scripts never import it.
+"""
+
+import argparse
+import csv
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from events import read_scalars  # noqa: E402
+
+# Random and human reference scores of the 57 Atari games, as used for human-normalised scores since
+# Mnih et al. (2015), "Human-level control through deep reinforcement learning", with the games added by
+# Wang et al. (2016) and Badia et al. (2020, Agent57): (random, human).
+ATARI_REFERENCE_SCORES = {
+    "Alien": (227.8, 7127.7), "Amidar": (5.8, 1719.5), "Assault": (222.4, 742.0), "Asterix": (210.0, 8503.3),
+    "Asteroids": (719.1, 47388.7), "Atlantis": (12850.0, 29028.1), "BankHeist": (14.2, 753.1),
+    "BattleZone": (2360.0, 37187.5), "BeamRider": (363.9, 16926.5), "Berzerk": (123.7, 2630.4),
+    "Bowling": (23.1, 160.7), "Boxing": (0.1, 12.1), "Breakout": (1.7, 30.5), "Centipede": (2090.9, 12017.0),
+    "ChopperCommand": (811.0, 7387.8), "CrazyClimber": (10780.5, 35829.4), "Defender": (2874.5, 18688.9),
+    "DemonAttack": (152.1, 1971.0), "DoubleDunk": (-18.6, -16.4), "Enduro": (0.0, 860.5),
+    "FishingDerby": (-91.7, -38.7), "Freeway": (0.0, 29.6), "Frostbite": (65.2, 4334.7), "Gopher": (257.6, 2412.5),
+    "Gravitar": (173.0, 3351.4), "Hero": (1027.0, 30826.4), "IceHockey": (-11.2, 0.9), "Jamesbond": (29.0, 302.8),
+    "Kangaroo": (52.0, 3035.0), "Krull": (1598.0, 2665.5), "KungFuMaster": (258.5, 22736.3),
+    "MontezumaRevenge": (0.0, 4753.3), "MsPacman": (307.3, 6951.6), "NameThisGame": (2292.3, 8049.0),
+    "Phoenix": (761.4, 7242.6), "Pitfall": (-229.4, 6463.7), "Pong": (-20.7, 14.6), "PrivateEye": (24.9, 69571.3),
+    "Qbert": (163.9, 13455.0), "Riverraid": (1338.5, 17118.0), "RoadRunner": (11.5, 7845.0),
+    "Robotank": (2.2, 11.9), "Seaquest": (68.4, 42054.7), "Skiing": (-17098.1, -4336.9),
+    "Solaris": (1236.3, 12326.7), "SpaceInvaders": (148.0, 1668.7), "StarGunner": (664.0, 10250.0),
+    "Surround": (-10.0, 6.5), "Tennis": (-23.8, -8.3), "TimePilot": (3568.0, 5229.2), "Tutankham": (11.4, 167.6),
+    "UpNDown": (533.4, 11693.2), "Venture": (0.0, 1187.5), "VideoPinball": (16256.9, 17667.9),
+    "WizardOfWor": (563.5, 4756.5), "YarsRevenge": (3092.9, 54576.9), "Zaxxon": (32.5, 9173.3),
+}
+
+
+def game_name(env_id: str) -> str:
+    return env_id.rsplit("-", 1)[0]
+
+
+def human_normalized(env_id: str, score: float) -> float | None:
+    """(score - random) / (human - random) for the 57 Atari games; None for other environments."""
+    reference = ATARI_REFERENCE_SCORES.get(game_name(env_id))
+    if reference is None:
+        return None
+    random_score, human_score = reference
+    return (score - random_score) / (human_score - random_score)
+
+
+def interquartile_mean(scores) -> float:
+    """Mean of the middle 50% of the scores (the lowest and highest 25% dropped, rounded down)."""
+    scores = np.sort(np.asarray(scores, dtype=float))
+    cut = int(len(scores) * 0.25)
+    return float(np.mean(scores[cut: len(scores) - cut]))
+
+
+def aggregates(scores_by_game: dict[str, list[float]]) -> dict[str, float]:
+    """Median and mean over games of the per-game mean score; IQM over all (game, seed) scores."""
+    game_means = [np.mean(scores) for scores in scores_by_game.values()]
+    every_score = [s for scores in scores_by_game.values() for s in scores]
+    return dict(median=float(np.median(game_means)), mean=float(np.mean(game_means)),
+                iqm=interquartile_mean(every_score))
+
+
+def stratified_bootstrap(scores_by_game: dict[str, list[float]], repetitions=2000, confidence=0.95, seed=0):
+    """{aggregate: (low, high)}: percentile intervals over resamples that redraw the seeds of each game
+    with replacement, game by game (the strata), so every resample keeps every game."""
+    rng = np.random.default_rng(seed)
+    samples = defaultdict(list)
+    for _ in range(repetitions):
+        resample = {game: list(rng.choice(scores, size=len(scores))) for game, scores in scores_by_game.items()}
+        for name, value in aggregates(resample).items():
+            samples[name].append(value)
+    tail = 100 * (1 - confidence) / 2
+    return {name: (float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail)))
+            for name, values in samples.items()}
+
+
+def load_runs(directories: list[str]) -> list[dict]:
+    runs = []
+    for directory in directories:
+        for config_path in sorted(glob.glob(os.path.join(directory, "**", "config.json"), recursive=True)):
+            run_dir = os.path.dirname(config_path)
+            with open(config_path) as f:
+                args = json.load(f)["args"]
+            curve = read_scalars(run_dir, wall_time=True).get("charts/episodic_return", [])
+            if curve:
+                runs.append(dict(run_dir=run_dir, method=args["exp_name"], env_id=args["env_id"],
+                                 seed=args["seed"], curve=curve))
+    return runs
+
+
+def final_score(curve, last_fraction: float) -> float:
+    count = max(1, int(round(len(curve) * last_fraction)))
+    return float(np.mean([value for _, value, _ in curve[-count:]]))
+
+
+def mean_and_interval(curves: list[np.ndarray]):
+    """Mean and a 95% normal-approximation interval over seeds, point by point."""
+    stacked = np.stack(curves)
+    mean = stacked.mean(axis=0)
+    half_width = 1.96 * stacked.std(axis=0, ddof=1) / np.sqrt(len(curves)) if len(curves) > 1 else 0 * mean
+    return mean, mean - half_width, mean + half_width
+
+
+def plot_curves(runs: list[dict], env_id: str, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in sorted({r["method"] for r in runs}):
+        curves = [r["curve"] for r in runs if r["method"] == method]
+        for axis, x_of in ((by_step, lambda c: [p[0] for p in c]), (by_time, lambda c: [p[2] - c[0][2] for p in c])):
+            xs = [np.asarray(x_of(c), dtype=float) for c in curves]
+            grid = np.linspace(max(x[0] for x in xs), min(x[-1] for x in xs), 100)  # where every seed has data
+            ys = [np.interp(grid, x, [p[1] for p in c]) for x, c in zip(xs, curves)]
+            mean, low, high = mean_and_interval(ys)
+            axis.plot(grid, mean, label=f"{method} ({len(curves)} seeds)")
+            axis.fill_between(grid, low, high, alpha=0.2)
+    by_step.set_xlabel("environment steps")
+    by_time.set_xlabel("wall-clock seconds")
+    for axis in (by_step, by_time):
+        axis.set_ylabel("episodic return")
+        axis.grid(alpha=0.3)
+    by_step.legend()
+    fig.suptitle(env_id)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_aggregates(summary: dict, path: str, label: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = sorted(summary)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 1 + 0.5 * len(methods)), sharey=True)
+    for axis, name in zip(axes, ["median", "iqm", "mean"]):
+        for row, method in enumerate(methods):
+            point, (low, high) = summary[method]["point"][name], summary[method]["interval"][name]
+            axis.barh(row, high - low, left=low, height=0.6, alpha=0.5)
+            axis.plot([point, point], [row - 0.3, row + 0.3], color="black")
+        axis.set_title(f"{name.upper() if name == 'iqm' else name.capitalize()} {label}")
+        axis.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(methods)), methods)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_table(path_stem: str, header: list[str], rows: list[list]):
+    with open(f"{path_stem}.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    with open(f"{path_stem}.md", "w") as f:
+        f.write("| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n")
+        for row in rows:
+            f.write("| " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in row) + " |\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", help="directories holding runs (searched recursively)")
+    parser.add_argument("--out", default="results", help="output directory")
+    parser.add_argument("--last-fraction", type=float, default=0.1, help="final score: mean of the last logged points")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    args = parser.parse_args()
+    if not 0 < args.last_fraction <= 1 or args.bootstrap <= 0:
+        print("error: --last-fraction must lie in (0, 1] and --bootstrap be positive", file=sys.stderr)
+        sys.exit(2)
+    runs = load_runs(args.run_dirs)
+    if not runs:
+        print(f"error: no runs with episodic returns under {' '.join(args.run_dirs)}", file=sys.stderr)
+        sys.exit(2)
+    os.makedirs(args.out, exist_ok=True)
+
+    rows = []
+    for run in runs:
+        run["score"] = final_score(run["curve"], args.last_fraction)
+        run["hns"] = human_normalized(run["env_id"], run["score"])
+        rows.append([run["method"], run["env_id"], run["seed"], run["curve"][-1][0], run["score"],
+                     "" if run["hns"] is None else run["hns"]])
+    write_table(os.path.join(args.out, "scores"), ["method", "env_id", "seed", "steps", "score", "hns"], rows)
+
+    # Aggregates on HNS when every game has reference scores, on raw scores otherwise.
+    use_hns = all(run["hns"] is not None for run in runs)
+    label = "HNS" if use_hns else "score"
+    by_method = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        by_method[run["method"]][run["env_id"]].append(run["hns"] if use_hns else run["score"])
+    game_rows, summary = [], {}
+    for method, scores_by_game in sorted(by_method.items()):
+        for env_id, scores in sorted(scores_by_game.items()):
+            game_rows.append([method, env_id, len(scores), float(np.mean(scores)), float(np.std(scores))])
+        summary[method] = dict(point=aggregates(scores_by_game),
+                               interval=stratified_bootstrap(scores_by_game, args.bootstrap))
+    write_table(os.path.join(args.out, "games"), ["method", "env_id", "seeds", f"mean {label}", f"std {label}"],
+                game_rows)
+    write_table(os.path.join(args.out, "aggregates"),
+                ["method", "games", "runs", *[f"{name} {label} [95% CI]" for name in ("median", "iqm", "mean")]],
+                [[method, len(by_method[method]), sum(map(len, by_method[method].values())),
+                  *[f"{s['point'][n]:.4g} [{s['interval'][n][0]:.4g}, {s['interval'][n][1]:.4g}]"
+                    for n in ("median", "iqm", "mean")]] for method, s in summary.items()])
+    for env_id in sorted({run["env_id"] for run in runs}):
+        plot_curves([run for run in runs if run["env_id"] == env_id], env_id, os.path.join(args.out, f"curves_{env_id}.png"))
+    plot_aggregates(summary, os.path.join(args.out, "aggregates.png"), label)
+    with open(os.path.join(args.out, "aggregates.md")) as f:
+        print(f.read())
+    print(f"{len(runs)} runs, {len({r['env_id'] for r in runs})} environments; tables and plots in {args.out}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Runs a grid of experiments (env ids x seeds) on this machine or on a SLURM cluster.
+
+    # on this machine: at most 2 at a time, each with its own CPUs (and GPU, given --device-ids)
+    python cleanba/launch.py --env-ids CartPole-v1 Acrobot-v1 --seeds 1 2 3 --workers 2 -- \\
+        python cleanba/cleanba_ppo.py --total-timesteps 100000
+
+    # on SLURM: renders cleanba.slurm_template into an array job and submits it (--dry-run prints it)
+    python cleanba/launch.py --slurm --env-ids Breakout-v5 Pong-v5 --seeds 1 2 3 --gpus-per-task 1 \\
+        --cpus-per-task 10 -- python cleanba/cleanba_impala.py
+
+Each experiment runs the command after `--` with `--env-id ENV --seed SEED` appended. Locally, the
+experiments share the machine in `--workers` slots: a slot owns a fixed share of the CPU cores (and of
+`--device-ids`, exported as CUDA_VISIBLE_DEVICES), the next experiment starts when one finishes, and
+failed experiments are listed at the end (exit status 1). On SLURM, `--wait` waits for the array job
+and does the same from the tasks' status files. A tool: the training scripts never import it.
+"""
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATE = os.path.join(REPO, "cleanba.slurm_template")
+
+
+def parse_args(argv):
+    if "--" not in argv:
+        print("error: give the training command after `--` (e.g. -- python cleanba/cleanba_ppo.py)", file=sys.stderr)
+        sys.exit(2)
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env-ids", nargs="+", required=True, help="environment ids of the grid")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="seeds of the grid")
+    parser.add_argument("--log-dir", default="launch_logs", help="where each experiment's output goes")
+    local = parser.add_argument_group("this machine")
+    local.add_argument("--workers", type=int, default=1, help="experiments running at once")
+    local.add_argument("--device-ids", nargs="*", default=[], help="GPU ids to share out, one slice per worker")
+    slurm = parser.add_argument_group("SLURM (--slurm)")
+    slurm.add_argument("--slurm", action="store_true", help="submit an sbatch array job instead of running here")
+    slurm.add_argument("--dry-run", action="store_true", help="print the rendered sbatch script, submit nothing")
+    slurm.add_argument("--wait", action="store_true", help="wait for the job; report failed experiments")
+    slurm.add_argument("--job-name", default="cleanba")
+    slurm.add_argument("--nodes", type=int, default=1, help="nodes per experiment")
+    slurm.add_argument("--ntasks-per-node", type=int, default=1, help="processes per node (use --distributed if > 1)")
+    slurm.add_argument("--cpus-per-task", type=int, default=1)
+    slurm.add_argument("--gpus-per-task", type=int, default=0)
+    slurm.add_argument("--max-parallel", type=int, default=100, help="array tasks running at once")
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
+    args = parser.parse_args(argv[:split])
+    args.command = argv[split + 1:]
+    problems = []
+    if not args.command:
+        problems.append("the command after `--` is empty")
+    for name in ["workers", "nodes", "ntasks_per_node", "cpus_per_task", "max_parallel"]:
+        if getattr(args, name) <= 0:
+            problems.append(f"--{name.replace('_', '-')} must be positive")
+    if args.device_ids and len(args.device_ids) < args.workers:
+        problems.append(f"--device-ids gives {len(args.device_ids)} devices for {args.workers} workers")
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
+def experiments(args) -> list[tuple[str, int]]:
+    return [(env_id, seed) for env_id in args.env_ids for seed in args.seeds]
+
+
+def run_locally(args) -> list[tuple[str, int, int, str]]:
+    """Runs every experiment in one of `workers` slots; returns (env id, seed, exit status, log) of each."""
+    os.makedirs(args.log_dir, exist_ok=True)
+    cores = sorted(os.sched_getaffinity(0))
+    slots = []
+    for i in range(args.workers):
+        slot_cores = cores[i::args.workers] or cores  # more workers than cores: they share
+        devices = args.device_ids[i::args.workers]
+        slots.append((set(slot_cores), devices))
+    pending, running, results = list(experiments(args)), {}, []
+    while pending or running:
+        for slot, (slot_cores, devices) in enumerate(slots):
+            if slot in running or not pending:
+                continue
+            env_id, seed = pending.pop(0)
+            log_path = os.path.join(args.log_dir, f"{env_id}__{seed}.log")
+            env = dict(os.environ)
+            if devices:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            command = [*args.command, "--env-id", env_id, "--seed", str(seed)]
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=lambda cores=slot_cores: os.sched_setaffinity(0, cores))
+            running[slot] = (proc, env_id, seed, log_path)
+            print(f"[slot {slot}] started {env_id} seed {seed}: {shlex.join(command)}", flush=True)
+        for slot, (proc, env_id, seed, log_path) in list(running.items()):
+            if proc.poll() is not None:
+                del running[slot]
+                results.append((env_id, seed, proc.returncode, log_path))
+                print(f"[slot {slot}] {env_id} seed {seed} exited {proc.returncode}", flush=True)
+        time.sleep(0.2)
+    return results
+
+
+def render(args) -> str:
+    with open(TEMPLATE) as f:
+        script = f.read()
+    directives = [f"#SBATCH --gpus-per-task={args.gpus_per_task}" if args.gpus_per_task else "",
+                  f"#SBATCH --partition={args.partition}" if args.partition else "",
+                  f"#SBATCH --time={args.time}" if args.time else ""]
+    values = dict(
+        job_name=args.job_name, last_task=len(experiments(args)) - 1, max_parallel=args.max_parallel,
+        nodes=args.nodes, ntasks_per_node=args.ntasks_per_node, cpus_per_task=args.cpus_per_task,
+        log_dir=os.path.abspath(args.log_dir), extra_directives="\n".join(d for d in directives if d),
+        env_ids=" ".join(map(shlex.quote, args.env_ids)), seeds=" ".join(map(str, args.seeds)),
+        workdir=shlex.quote(os.getcwd()), command=shlex.join(args.command))
+    for name, value in values.items():
+        script = script.replace("{{" + name + "}}", str(value))
+    return script
+
+
+def submit(args) -> list[tuple[str, int, int, str]] | None:
+    script = render(args)
+    if args.dry_run:
+        print(script)
+        return None
+    os.makedirs(args.log_dir, exist_ok=True)
+    script_path = os.path.join(args.log_dir, f"{args.job_name}.sbatch")
+    with open(script_path, "w") as f:
+        f.write(script)
+    result = subprocess.run(["sbatch", "--parsable", *(["--wait"] if args.wait else []), script_path],
+                            capture_output=True, text=True)
+    job_id = result.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        print(f"error: sbatch failed: {result.stderr.strip()}", file=sys.stderr)
+        sys.exit(1)
+    print(f"submitted array job {job_id} ({len(experiments(args))} experiments), script {script_path}", flush=True)
+    if not args.wait:
+        return None
+    results = []
+    for task, (env_id, seed) in enumerate(experiments(args)):
+        prefix = os.path.join(args.log_dir, f"{args.job_name}_{job_id}_{task}")
+        status = -1  # no status file: the task never ran to its end (cancelled, node failure, time limit)
+        if os.path.exists(f"{prefix}.status"):
+            with open(f"{prefix}.status") as f:
+                status = int(f.read().split()[-1])
+        results.append((env_id, seed, status, f"{prefix}.out"))
+    return results
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    results = submit(args) if args.slurm else run_locally(args)
+    if results is None:
+        return
+    failed = [r for r in results if r[2] != 0]
+    print(f"{len(results) - len(failed)} of {len(results)} experiments succeeded", flush=True)
+    for env_id, seed, status, log_path in failed:
+        print(f"FAILED {env_id} seed {seed}: exit status {status}, see {log_path}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

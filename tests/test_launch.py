@@ -1,0 +1,141 @@
+"""Launching grids and reading results: a real one-node SLURM cluster (Debian's slurm-wlm + munge,
+started by the fixture), the local launcher, and the aggregation of the grid's logs."""
+
+import csv
+import itertools
+import os
+import re
+import subprocess
+import sys
+
+import envpool
+import pytest
+from helpers import REPO, load_module, read_scalars, run_dirs
+from slurm_cluster import missing_tools, slurm_cluster
+
+LAUNCH = [sys.executable, os.path.join(REPO, "cleanba", "launch.py")]
+AGGREGATE = [sys.executable, os.path.join(REPO, "cleanba", "aggregate.py")]
+SHORT_PPO = [sys.executable, os.path.join(REPO, "cleanba", "cleanba_ppo.py"), "--local-num-envs", "4",
+             "--num-actor-threads", "1", "--num-steps", "32", "--total-timesteps", "5120", "--log-frequency", "2"]
+aggregate = load_module(os.path.join(REPO, "cleanba", "aggregate.py"))
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if missing_tools():
+        pytest.fail(f"the SLURM tests need {', '.join(missing_tools())}: apt-get install slurm-wlm munge "
+                    "(setup.sh does it when run as root); deselect them with -m 'not slurm'")
+    with slurm_cluster(str(tmp_path_factory.mktemp("slurm"))) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory):
+    """A grid with more experiments than workers, one of which fails: 2 envs x 2 seeds + a bad env id."""
+    cwd = tmp_path_factory.mktemp("grid")
+    result = subprocess.run([*LAUNCH, "--env-ids", "CartPole-v1", "Acrobot-v1", "NoSuchGame-v5", "--seeds", "1", "2",
+                             "--workers", "2", "--", *SHORT_PPO], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return cwd, result
+
+
+@pytest.mark.slurm
+def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
+    grid = subprocess.run([*LAUNCH, "--slurm", "--wait", "--env-ids", "CartPole-v1", "Acrobot-v1", "--seeds", "1", "2",
+                           "--max-parallel", "2", "--log-dir", "logs", "--", *SHORT_PPO],
+                          cwd=tmp_path, env=slurm, capture_output=True, text=True, timeout=600)
+    assert grid.returncode == 0, grid.stdout + grid.stderr
+    assert "4 of 4 experiments succeeded" in grid.stdout
+    names = sorted(os.path.basename(d).split("__")[0] + "/" + os.path.basename(d).split("__")[2]
+                   for d in run_dirs(tmp_path))
+    assert names == ["Acrobot-v1/1", "Acrobot-v1/2", "CartPole-v1/1", "CartPole-v1/2"]
+    for run_dir in run_dirs(tmp_path):  # each task trained to the end, where the template says
+        assert [step for step, _ in read_scalars(run_dir)["stats/update"]][-1] == 5120
+    assert len([f for f in os.listdir(tmp_path / "logs") if f.endswith(".out")]) == 4
+
+    distributed = subprocess.run([*LAUNCH, "--slurm", "--wait", "--job-name", "two-tasks", "--ntasks-per-node", "2",
+                                  "--env-ids", "CartPole-v1", "--seeds", "7", "--log-dir", "logs", "--", *SHORT_PPO,
+                                  "--distributed"], cwd=tmp_path, env=slurm, capture_output=True, text=True, timeout=600)
+    assert distributed.returncode == 0, distributed.stdout + distributed.stderr
+    run_dir = [d for d in run_dirs(tmp_path) if "__7__" in d][0]
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert '"processes": 2' in f.read()  # one JAX process per SLURM task, found through srun's environment
+
+
+@pytest.mark.slurm
+def test_slurm_failed_task_is_reported(tmp_path, slurm):
+    result = subprocess.run([*LAUNCH, "--slurm", "--wait", "--env-ids", "NoSuchGame-v5", "--seeds", "1",
+                             "--log-dir", "logs", "--", *SHORT_PPO], cwd=tmp_path, env=slurm, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1
+    assert "FAILED NoSuchGame-v5 seed 1: exit status 2" in result.stdout
+
+
+def test_slurm_dry_run_renders_the_template(tmp_path):
+    result = subprocess.run([*LAUNCH, "--slurm", "--dry-run", "--env-ids", "Breakout-v5", "Pong-v5", "--seeds", "1", "2",
+                             "3", "--gpus-per-task", "1", "--time", "2:00:00", "--", "python", "cleanba/cleanba_ppo.py"],
+                            cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0 and "{{" not in result.stdout
+    for line in ["#SBATCH --array=0-5%100", "#SBATCH --gpus-per-task=1", "#SBATCH --time=2:00:00", "#SBATCH --requeue",
+                 'srun python cleanba/cleanba_ppo.py --env-id "$ENV_ID" --seed "$SEED"', "ENV_IDS=(Breakout-v5 Pong-v5)"]:
+        assert line in result.stdout
+    assert not os.path.exists(tmp_path / "launch_logs")  # a dry run writes nothing
+
+
+def test_local_grid_bounds_concurrency_and_reports_failures(local_grid):
+    cwd, result = local_grid
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "4 of 6 experiments succeeded" in result.stdout
+    assert "FAILED NoSuchGame-v5 seed 1" in result.stdout and "FAILED NoSuchGame-v5 seed 2" in result.stdout
+    # Each run's active period, from its own files: config.json is written at start, updates.jsonl to the end.
+    periods = [(os.path.getmtime(os.path.join(d, "config.json")), os.path.getmtime(os.path.join(d, "updates.jsonl")))
+               for d in run_dirs(cwd)]
+    assert len(periods) == 4
+    for start, _ in periods:
+        assert sum(s <= start < e for s, e in periods) <= 2  # never more than --workers at once
+    assert any(s1 < e2 and s2 < e1 for (s1, e1), (s2, e2) in itertools.combinations(periods, 2))  # but in parallel
+
+
+def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
+    cwd, _ = local_grid
+    result = subprocess.run([*AGGREGATE, str(cwd / "runs"), "--out", str(tmp_path), "--bootstrap", "200"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "scores.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["env_id"], r["seed"]) for r in rows) == [("Acrobot-v1", "1"), ("Acrobot-v1", "2"),
+                                                               ("CartPole-v1", "1"), ("CartPole-v1", "2")]
+    cartpole = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1"]
+    assert all(9 <= score <= 500 for score in cartpole)
+    with open(tmp_path / "aggregates.md") as f:
+        table = f.read()
+    median, low, high = map(float, re.search(r"\| ([-\d.e+]+) \[([-\d.e+]+), ([-\d.e+]+)\]", table).groups())
+    assert low <= median <= high
+    for name in ["curves_CartPole-v1.png", "curves_Acrobot-v1.png", "aggregates.png"]:
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_human_normalized_scores():
+    assert aggregate.human_normalized("Breakout-v5", 30.5) == pytest.approx(1.0)
+    assert aggregate.human_normalized("Breakout-v5", 1.7) == pytest.approx(0.0)
+    for game, (random_score, human_score) in aggregate.ATARI_REFERENCE_SCORES.items():
+        assert aggregate.human_normalized(f"{game}-v5", human_score) == pytest.approx(1.0)
+        assert aggregate.human_normalized(f"{game}-v5", random_score) == pytest.approx(0.0, abs=1e-12)
+    assert aggregate.human_normalized("CartPole-v1", 500.0) is None
+    # The 57 games: all in EnvPool, and exactly benchmark.sh's Atari-57 grid.
+    assert len(aggregate.ATARI_REFERENCE_SCORES) == 57
+    atari = {f"{game}-v5" for game in aggregate.ATARI_REFERENCE_SCORES}
+    assert atari <= set(envpool.list_all_envs())
+    with open(os.path.join(REPO, "benchmark.sh")) as f:
+        grid = re.search(r'ATARI57="([^"]*)"', f.read()).group(1).split()
+    assert set(grid) == atari and len(grid) == 57
+
+
+def test_bootstrap_intervals_contain_the_point_estimates():
+    rng = __import__("numpy").random.default_rng(3)
+    scores = {f"game{i}": list(rng.normal(i, 1.0, size=3)) for i in range(10)}
+    point, interval = aggregate.aggregates(scores), aggregate.stratified_bootstrap(scores, repetitions=500)
+    for name in ("median", "mean", "iqm"):
+        low, high = interval[name]
+        assert low <= point[name] <= high and high - low > 0
+    assert aggregate.interquartile_mean([0, 1, 2, 3, 4, 5, 6, 100]) == pytest.approx(3.5)
