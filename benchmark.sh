@@ -37,10 +37,10 @@ case "$grid" in
   laptop)
     launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 "$@" -- \
       $PYTHON cleanba/cleanba_ppo.py --exp-name ppo_laptop --local-num-envs 8 --num-actor-threads 1 \
-      --learning-rate 1e-3 --clip-coef 0.2 --total-timesteps 200000 --log-frequency 10
+      --learning-rate 1e-3 --clip-coef 0.2 --total-timesteps 300000 --log-frequency 10
     launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 "$@" -- \
       $PYTHON cleanba/cleanba_impala.py --exp-name impala_laptop --local-num-envs 8 --num-actor-threads 1 \
-      --learning-rate 1e-3 --total-timesteps 200000 --log-frequency 50 ;;
+      --learning-rate 1e-3 --total-timesteps 300000 --log-frequency 50 ;;
   ppo-atari57)
     launch --slurm --job-name ppo --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_a0_l0_d1 --track ;;
