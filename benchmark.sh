@@ -35,34 +35,36 @@ grid=${1:-}
 shift || true
 case "$grid" in
   laptop)
-    launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 "$@" -- \
+    status=0  # run both grids even if an experiment of the first fails; report at the end
+    launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 --log-dir launch_logs/ppo_laptop "$@" -- \
       $PYTHON cleanba/cleanba_ppo.py --exp-name ppo_laptop --local-num-envs 8 --num-actor-threads 1 \
-      --learning-rate 1e-3 --clip-coef 0.2 --total-timesteps 300000 --log-frequency 10
-    launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 "$@" -- \
+      --learning-rate 1e-3 --clip-coef 0.2 --total-timesteps 300000 --log-frequency 10 || status=1
+    launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 --log-dir launch_logs/impala_laptop "$@" -- \
       $PYTHON cleanba/cleanba_impala.py --exp-name impala_laptop --local-num-envs 8 --num-actor-threads 1 \
-      --learning-rate 1e-3 --total-timesteps 300000 --log-frequency 50 ;;
+      --learning-rate 1e-3 --total-timesteps 300000 --log-frequency 50 || status=1
+    exit $status ;;
   ppo-atari57)
-    launch --slurm --job-name ppo --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+    launch --slurm --job-name ppo --log-dir launch_logs/ppo --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_a0_l0_d1 --track ;;
   ppo-atari57-cleanba)
-    launch --slurm --job-name ppo-cleanba --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+    launch --slurm --job-name ppo-cleanba --log-dir launch_logs/ppo-cleanba --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_concurrency_a0_l0_d1 --concurrency --track ;;
   impala-atari57)
-    launch --slurm --job-name impala --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+    launch --slurm --job-name impala --log-dir launch_logs/impala --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_a0_l0_d1 --track ;;
   impala-atari57-sync)
-    launch --slurm --job-name impala-sync --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+    launch --slurm --job-name impala-sync --log-dir launch_logs/impala-sync --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_sync_a0_l0_d1 --no-concurrency --track ;;
   ppo-atari57-8gpu)
-    launch --slurm --job-name ppo-8gpu --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 8 --cpus-per-task 46 "$@" -- \
+    launch --slurm --job-name ppo-8gpu --log-dir launch_logs/ppo-8gpu --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 8 --cpus-per-task 46 "$@" -- \
       $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_a01_l234567_d1 --actor-device-ids 0 1 \
       --learner-device-ids 2 3 4 5 6 7 --local-num-envs 30 --track ;;
   impala-atari57-8gpu)
-    launch --slurm --job-name impala-8gpu --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 8 --cpus-per-task 46 "$@" -- \
+    launch --slurm --job-name impala-8gpu --log-dir launch_logs/impala-8gpu --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 8 --cpus-per-task 46 "$@" -- \
       $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_a01_l234567_d1 --actor-device-ids 0 1 \
       --learner-device-ids 2 3 4 5 6 7 --local-num-envs 30 --track ;;
   impala-atari57-2nodes)
-    launch --slurm --job-name impala-2nodes --env-ids $ATARI57 --seeds $SEEDS --nodes 2 --ntasks-per-node 1 \
+    launch --slurm --job-name impala-2nodes --log-dir launch_logs/impala-2nodes --env-ids $ATARI57 --seeds $SEEDS --nodes 2 --ntasks-per-node 1 \
       --gpus-per-task 4 --cpus-per-task 20 "$@" -- \
       $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_a0_l123_d2 --actor-device-ids 0 \
       --learner-device-ids 1 2 3 --local-num-envs 30 --distributed --track ;;

@@ -81,7 +81,7 @@ class Args:
     resume: bool = True
     """resume from runs/<run_name>/checkpoint.msgpack when it exists; --no-resume starts over"""
     checkpoint_interval: int = 100
-    """write a checkpoint every this many updates (0: only on SIGTERM/SIGINT, and at the end)"""
+    """write a checkpoint every this many updates (0: none by count; --checkpoint-minutes still applies)"""
     checkpoint_minutes: float = 15.0
     """also write a checkpoint when this many minutes have passed since the last one"""
 
@@ -226,15 +226,20 @@ def derive_config(args: Args) -> Config:
     )
 
 
+def env_seed(seed: int, env_index: int) -> int:
+    """EnvPool seeds env i of a pool with (pool seed) + i, so a pool seeded with env_seed(seed, global index
+    of its first env) gives env g the same seed whatever pool or process holds it. Each --seed gets its own
+    block of 2^20 env seeds (EnvPool takes 31-bit seeds), so runs with seeds 1, 2, 3 share no environment."""
+    return (seed * 2**20 + env_index) % 2**31
+
+
 def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int):
-    """EnvPool seeds env i of a pool with seed + i, so seeding a pool with seed + (global index of its
-    first env) gives every environment the same seed whatever pool or process holds it."""
     if env_id.endswith("-v5"):  # Atari: the evaluation protocol of Machado et al. (2018)
         return envpool.make(
             env_id,
             env_type="gym",
             num_envs=num_envs,
-            seed=seed + first_env_index,
+            seed=env_seed(seed, first_env_index),
             episodic_life=False,  # no life-loss signal
             repeat_action_probability=0.25,  # sticky actions
             full_action_space=True,
@@ -242,7 +247,7 @@ def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int):
             max_episode_steps=108_000 // 4,  # 108,000 frames at frame skip 4
             reward_clip=True,  # the unclipped reward is in info["reward"] for logging
         )
-    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=seed + first_env_index)
+    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=env_seed(seed, first_env_index))
 
 
 class ResidualBlock(nn.Module):
@@ -366,7 +371,8 @@ def expected_data_version(update: int, first_update: int, concurrency: bool) -> 
 
 def fault_injected(where: str, update: int) -> bool:
     """Test hook for tests/test_failures.py: CLEANBA_FAULT=<where>@<update>, where is `actor` (the first
-    actor thread raises), `learner` (the learner raises) or `nan` (the batch's rewards become NaN).
+    actor thread raises), `learner` (the learner raises), `nan` (the batch's rewards become NaN) or
+    `checkpoint` (the process dies between writing that update's checkpoint and renaming it into place).
     Unset, it does nothing."""
     return os.environ.get("CLEANBA_FAULT") == f"{where}@{update}"
 
@@ -439,7 +445,7 @@ def rollout(args: Args, cfg: Config, networks: Networks, start_update: int, thre
             batch["actions"][t], batch["logprobs"][t] = action, logprob
             batch["rewards"][t], batch["terminations"][t], batch["dones"][t] = reward, terminated, done
             episode_return += info.get("reward", reward)  # Atari: the unclipped reward
-            episode_length += 1
+            episode_length += batch["valid"][t]  # EnvPool's reset step is not part of either episode
             batch["episode_returns"][t] = np.where(done, episode_return, 0.0)
             batch["episode_lengths"][t] = np.where(done, episode_length, 0)
             episode_return[done], episode_length[done] = 0.0, 0
@@ -573,7 +579,7 @@ def collate(items, num_local_learners):
 def evaluate(args: Args, networks: Networks, params, num_episodes: int) -> list[float]:
     """Plays num_episodes with the given parameters (actions sampled from the policy, seeded apart from
     training), returning the unclipped episodic returns."""
-    envs = make_env(args.env_id, 1, first_env_index=0, seed=args.seed + 1_000_003)
+    envs = make_env(args.env_id, 1, first_env_index=2**20 - 1, seed=args.seed)  # an index no training env has
     policy = jax.jit(lambda p, o, k: jax.random.categorical(k, forward(networks, p, o)[0]))
     key = jax.random.fold_in(jax.random.key(args.seed), 2)
     obs, _ = envs.reset()
@@ -618,6 +624,8 @@ def save_checkpoint(path: str, state: TrainState, update: int, args: Args, cfg: 
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if fault_injected("checkpoint", update):
+        os._exit(137)  # killed between the write and the rename
     os.replace(f"{path}.tmp", path)
 
 
@@ -639,9 +647,11 @@ def main(args: Args):
     try:
         check_args(args)
         if args.distributed:
-            # The heartbeat timeout bounds how long the other processes wait when one of them dies.
+            # The heartbeat timeout bounds how long the other processes wait when one of them dies. At the
+            # end, the others wait in JAX's shutdown barrier while process 0 evaluates a saved model.
             jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                       heartbeat_timeout_seconds=args.heartbeat_timeout)
+                                       heartbeat_timeout_seconds=args.heartbeat_timeout,
+                                       shutdown_timeout_seconds=3600)
         cfg = derive_config(args)
         run_name = args.run_name or default_run_name(args, cfg)
         run_dir = f"runs/{run_name}"
@@ -650,6 +660,8 @@ def main(args: Args):
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     is_main_process = cfg.rank == 0
+    if not args.resume and is_main_process and os.path.exists(f"{run_dir}/checkpoint.msgpack"):
+        os.remove(f"{run_dir}/checkpoint.msgpack")  # starting over: a later resume must not find the old run
     start_update = checkpoint["update"] if checkpoint else 0
     if start_update == cfg.num_updates:
         print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do "
@@ -671,7 +683,7 @@ def main(args: Args):
                        config=vars(args), name=run_name, save_code=True,
                        id=hashlib.sha1(run_name.encode()).hexdigest()[:16], resume="allow")
         # On a restart, purge_step hides what was logged after the checkpoint we resume from.
-        writer = SummaryWriter(run_dir, purge_step=start_update * cfg.batch_size if os.path.isdir(run_dir) else None)
+        writer = SummaryWriter(run_dir, purge_step=start_update * cfg.batch_size + 1 if os.path.isdir(run_dir) else None)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         writer.add_text("layout", json.dumps(layout))
@@ -800,7 +812,7 @@ def main(args: Args):
                     writer.add_scalar("charts/episodic_return", return_sum / episodes, global_step)
                     writer.add_scalar("charts/episodic_length", length_sum / episodes, global_step)
                 writer.add_scalar("charts/SPS", sps, global_step)
-                lr = schedule(update * args.num_minibatches) if args.anneal_lr else schedule
+                lr = schedule(int(first_replica(state.step))) if args.anneal_lr else schedule  # restored step count
                 writer.add_scalar("charts/learning_rate", float(lr), global_step)
                 for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "loss", "grad_norm"]:
                     writer.add_scalar(f"losses/{name}", metrics[name], global_step)
@@ -829,15 +841,14 @@ def main(args: Args):
         pass
     except BaseException:
         failures.append((threading.current_thread().name, traceback.format_exc()))
-    finally:
-        stop.set()
-        for thread, _, _ in actors:
-            thread.join(timeout=30)
-    if failures:
-        for name, trace in failures:
-            print(f"error in thread {name}:\n{trace}", file=sys.stderr)
-    elif is_main_process:
+    stop.set()
+    if not failures and is_main_process:  # first: the learner's state does not wait for the actors
         write_checkpoint(update)
+    deadline = time.time() + 30
+    for thread, _, _ in actors:
+        thread.join(timeout=max(0.0, deadline - time.time()))
+    for name, trace in failures:
+        print(f"error in thread {name}:\n{trace}", file=sys.stderr)
     preempted = not failures and update < cfg.num_updates
     if preempted and is_main_process:
         print(f"stopped by {signal.Signals(stop_signals[0]).name if stop_signals else 'another process'} after "

@@ -34,7 +34,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-ids", nargs="+", required=True, help="environment ids of the grid")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="seeds of the grid")
-    parser.add_argument("--log-dir", default="launch_logs", help="where each experiment's output goes")
+    parser.add_argument("--log-dir", default="launch_logs", help="where each experiment's output goes (one per grid)")
     local = parser.add_argument_group("this machine")
     local.add_argument("--workers", type=int, default=1, help="experiments running at once")
     local.add_argument("--device-ids", nargs="*", default=[], help="GPU ids to share out, one slice per worker")
@@ -58,6 +58,9 @@ def parse_args(argv):
     for name in ["workers", "nodes", "ntasks_per_node", "cpus_per_task", "max_parallel"]:
         if getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')} must be positive")
+    if args.slurm and args.nodes * args.ntasks_per_node > 1 and "--distributed" not in args.command:
+        problems.append("--nodes x --ntasks-per-node > 1 runs one process per task: the command needs --distributed, "
+                        "or the tasks would be independent copies of the same run")
     if args.device_ids and len(args.device_ids) < args.workers:
         problems.append(f"--device-ids gives {len(args.device_ids)} devices for {args.workers} workers")
     if problems:

@@ -40,23 +40,30 @@ def local_grid(tmp_path_factory):
 
 @pytest.mark.slurm
 def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
-    grid = subprocess.run([*LAUNCH, "--slurm", "--wait", "--env-ids", "CartPole-v1", "Acrobot-v1", "--seeds", "1", "2",
-                           "--max-parallel", "2", "--log-dir", "logs", "--", *SHORT_PPO],
+    grid = subprocess.run([*LAUNCH, "--slurm", "--wait", "--env-ids", "CartPole-v1", "Acrobot-v1", "--seeds", "1", "2", "3",
+                           "--max-parallel", "3", "--log-dir", "logs", "--", *SHORT_PPO],
                           cwd=tmp_path, env=slurm, capture_output=True, text=True, timeout=600)
     assert grid.returncode == 0, grid.stdout + grid.stderr
-    assert "4 of 4 experiments succeeded" in grid.stdout
-    names = sorted(os.path.basename(d).split("__")[0] + "/" + os.path.basename(d).split("__")[2]
-                   for d in run_dirs(tmp_path))
-    assert names == ["Acrobot-v1/1", "Acrobot-v1/2", "CartPole-v1/1", "CartPole-v1/2"]
+    assert "6 of 6 experiments succeeded" in grid.stdout
+    expected = [(env_id, seed) for env_id in ("CartPole-v1", "Acrobot-v1") for seed in ("1", "2", "3")]
+    names = [tuple(os.path.basename(d).split("__")[0:3:2]) for d in run_dirs(tmp_path)]
+    assert sorted(names) == sorted(expected)
+    job_id = re.search(r"submitted array job (\d+)", grid.stdout).group(1)
+    for task, (env_id, seed) in enumerate(expected):  # the template's task -> (env, seed) mapping
+        with open(tmp_path / "logs" / f"cleanba_{job_id}_{task}.status") as f:
+            assert f.read().split() == [env_id, seed, "0"]
     for run_dir in run_dirs(tmp_path):  # each task trained to the end, where the template says
         assert [step for step, _ in read_scalars(run_dir)["stats/update"]][-1] == 5120
-    assert len([f for f in os.listdir(tmp_path / "logs") if f.endswith(".out")]) == 4
+    assert len([f for f in os.listdir(tmp_path / "logs") if f.endswith(".out")]) == 6
 
     distributed = subprocess.run([*LAUNCH, "--slurm", "--wait", "--job-name", "two-tasks", "--ntasks-per-node", "2",
                                   "--env-ids", "CartPole-v1", "--seeds", "7", "--log-dir", "logs", "--", *SHORT_PPO,
                                   "--distributed"], cwd=tmp_path, env=slurm, capture_output=True, text=True, timeout=600)
     assert distributed.returncode == 0, distributed.stdout + distributed.stderr
     run_dir = [d for d in run_dirs(tmp_path) if "__7__" in d][0]
+    refused = subprocess.run([*LAUNCH, "--slurm", "--dry-run", "--ntasks-per-node", "2", "--env-ids", "CartPole-v1",
+                              "--", *SHORT_PPO], cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--distributed" in refused.stderr
     with open(os.path.join(run_dir, "config.json")) as f:
         assert '"processes": 2' in f.read()  # one JAX process per SLURM task, found through srun's environment
 
