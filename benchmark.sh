@@ -40,8 +40,8 @@ case "$grid" in
       $PYTHON cleanba/cleanba_ppo.py --exp-name ppo_laptop --local-num-envs 8 --num-actor-threads 1 \
       --learning-rate 1e-3 --clip-coef 0.2 --total-timesteps 300000 --log-frequency 10 || status=1
     launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 --log-dir launch_logs/impala_laptop "$@" -- \
-      $PYTHON cleanba/cleanba_impala.py --exp-name impala_laptop --local-num-envs 8 --num-actor-threads 1 \
-      --learning-rate 1e-3 --total-timesteps 300000 --log-frequency 50 || status=1
+      $PYTHON cleanba/cleanba_impala.py --exp-name impala_laptop --local-num-envs 16 --num-actor-threads 1 \
+      --learning-rate 1e-3 --total-timesteps 400000 --log-frequency 50 || status=1
     exit $status ;;
   ppo-atari57)
     launch --slurm --job-name ppo --log-dir launch_logs/ppo --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \

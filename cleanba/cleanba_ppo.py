@@ -665,6 +665,11 @@ def main(args: Args):
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C), from here on: checkpoint after the update in progress
+    # (the first one, if it comes during start-up), then exit.
+    stop_signals = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
     is_main_process = cfg.rank == 0
     if not args.resume and is_main_process and os.path.exists(f"{run_dir}/checkpoint.msgpack"):
         os.remove(f"{run_dir}/checkpoint.msgpack")  # starting over: a later resume must not find the old run
@@ -736,7 +741,6 @@ def main(args: Args):
 
     stop = threading.Event()
     failures = []  # (thread name, formatted traceback)
-    stop_signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C): checkpoint after this update, exit
 
     def run_actor(*thread_args):
         try:
@@ -767,8 +771,6 @@ def main(args: Args):
         save_checkpoint(f"{run_dir}/checkpoint.msgpack", jax.device_get(first_replica(state)), update, args, cfg)
         return update, time.time()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
     episodes_since_log = np.zeros(3)  # episodes, return sum, length sum: since the last log line
     start_time = time.time()
     update = last_checkpoint = start_update

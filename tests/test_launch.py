@@ -83,7 +83,7 @@ def test_slurm_dry_run_renders_the_template(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0 and "{{" not in result.stdout
     for line in ["#SBATCH --array=0-5%100", "#SBATCH --gpus-per-task=1", "#SBATCH --time=2:00:00", "#SBATCH --requeue",
-                 'srun python cleanba/cleanba_ppo.py --env-id "$ENV_ID" --seed "$SEED"', "ENV_IDS=(Breakout-v5 Pong-v5)"]:
+                 'srun --cpus-per-task=1 python cleanba/cleanba_ppo.py --env-id "$ENV_ID" --seed "$SEED"', "ENV_IDS=(Breakout-v5 Pong-v5)"]:
         assert line in result.stdout
     assert not os.path.exists(tmp_path / "launch_logs")  # a dry run writes nothing
 
