@@ -149,7 +149,6 @@ class Config(NamedTuple):
     num_envs: int  # over all processes
     batch_size: int  # env steps per update, over all processes
     num_updates: int
-    envs_per_minibatch: int  # environments of one learner device in one minibatch
     env_offset: int  # global index of this process's first environment
     actor_devices: list
     learner_devices: list  # global, over all processes, in rank order
@@ -218,7 +217,6 @@ def derive_config(args: Args) -> Config:
         num_envs=num_envs,
         batch_size=batch_size,
         num_updates=args.total_timesteps // batch_size,
-        envs_per_minibatch=envs_per_learner // args.num_minibatches,
         env_offset=rank * num_envs_per_process,
         actor_devices=[local_devices[i] for i in args.actor_device_ids],
         learner_devices=learner_devices,

