@@ -8,9 +8,10 @@ its maximum relative difference over the first N common updates (all by default)
 it occurs. The difference at an update is |a - b| divided by the series' scale, max |a| over the
 compared updates (a pointwise ratio would measure noise wherever a series crosses zero).
 
-The policy loss (of normalised advantages) and the approximate KL are means of terms of size ~1 that
-nearly cancel, so float reassociation moves them by far more, relative to their size, than the other
-series: they get their own tolerance (--near-zero-rtol). Exit status: 0 if the fingerprints agree and
+The policy loss and the approximate KL are means of terms of size ~1 that nearly cancel, so float
+reassociation moves them by far more, relative to their size, than the value loss and the entropy:
+they get their own tolerance (--near-zero-rtol), and so does the total loss, which contains the policy
+loss (early in IMPALA's training the policy loss is almost all of it). Exit status: 0 if the fingerprints agree and
 every series is within its tolerance, 1 otherwise, 2 for bad input. A tool, never imported by the
 training scripts.
 """
@@ -21,7 +22,7 @@ import os
 import sys
 
 LOSSES = ["loss", "policy_loss", "value_loss", "entropy", "approx_kl"]
-NEAR_ZERO = {"policy_loss", "approx_kl"}
+NEAR_ZERO = {"loss", "policy_loss", "approx_kl"}
 RTOL, NEAR_ZERO_RTOL = 1e-5, 1e-3
 
 
@@ -58,9 +59,9 @@ def main():
     parser.add_argument("run_a")
     parser.add_argument("run_b")
     parser.add_argument("--updates", type=int, default=None, help="compare only the first N updates")
-    parser.add_argument("--rtol", type=float, default=RTOL, help="tolerance of loss, value_loss, entropy")
+    parser.add_argument("--rtol", type=float, default=RTOL, help="tolerance of value_loss, entropy")
     parser.add_argument("--near-zero-rtol", type=float, default=NEAR_ZERO_RTOL,
-                        help="tolerance of policy_loss and approx_kl")
+                        help="tolerance of loss, policy_loss and approx_kl")
     args = parser.parse_args()
     runs = []
     for run_dir in (args.run_a, args.run_b):
