@@ -18,7 +18,7 @@ function of (seed, update, epoch, g, t), and statistics are taken over the globa
 seed gives the same batches on 1 device or many, up to float reassociation in the learner's sums.
 
 Usage: python cleanba/cleanba_ppo.py --env-id CartPole-v1 --total-timesteps 500000
-       python cleanba/cleanba_ppo.py --actor-device-ids 0 --learner-device-ids 1 2 3
+       python cleanba/cleanba_ppo.py --actor-device-ids 0 --learner-device-ids 1 2 3 --local-num-envs 60
 """
 
 import dataclasses
@@ -368,8 +368,11 @@ def fault_injected(where: str, update: int) -> bool:
     """Test hook for tests/test_failures.py: CLEANBA_FAULT=<where>@<update>, where is `actor` (the first
     actor thread raises), `learner` (the learner raises), `nan` (the batch's rewards become NaN) or
     `checkpoint` (the process dies between writing that update's checkpoint and renaming it into place).
-    Unset, it does nothing."""
-    return os.environ.get("CLEANBA_FAULT") == f"{where}@{update}"
+    Unset, it does nothing. When it fires it says so on stderr, for the tests to time what follows."""
+    if os.environ.get("CLEANBA_FAULT") != f"{where}@{update}":
+        return False
+    print(f"CLEANBA_FAULT: {where} fault at update {update}", file=sys.stderr, flush=True)
+    return True
 
 
 def bottleneck(learner_wait: float, actor_wait: float) -> str:
@@ -381,23 +384,40 @@ def bottleneck(learner_wait: float, actor_wait: float) -> str:
     return "actors and learner balanced"
 
 
-def rollout(args: Args, cfg: Config, networks: Networks, start_update: int, thread_id: int, device,
-            first_env_index: int, params_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
-    """One actor thread: its own EnvPool on the host, inference on `device`."""
-    envs = make_env(args.env_id, args.local_num_envs, first_env_index, args.seed)
-    env_ids = np.arange(first_env_index, first_env_index + args.local_num_envs)
+class Rollout(NamedTuple):
+    """What an actor thread puts on its rollout queue: one update's data from its environments."""
+
+    version: int  # the policy version that collected the data (checked against the version contract)
+    env_ids: np.ndarray  # global indices of the thread's environments
+    batch: dict  # host arrays, time-major: (num_steps, local_num_envs, ...)
+    timings: dict
+
+
+def make_policy(args: Args, networks: Networks, env_ids: np.ndarray):
+    """The actor's jitted policy for the environments `env_ids`. It takes a learner replica's parameters (their
+    device axis of size 1 is dropped inside the call, not by a dispatch per leaf) and a step counter that stays
+    on the device, so the only per-step transfers are the observations in and the actions out."""
     action_key = jax.random.fold_in(jax.random.key(args.seed), 0)
 
     @jax.jit
-    def policy(params, obs, step):
-        logits, value = forward(networks, params, obs)
+    def policy(replica_params, obs, step):
+        logits, value = forward(networks, jax.tree.map(lambda x: x[0], replica_params), obs)
         # One key per (environment, step): the sampled actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, step)
         keys = jax.vmap(lambda g: jax.random.fold_in(step_key, g))(env_ids)
         action = jax.vmap(jax.random.categorical)(keys, logits)
         logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
-        return action, logprob, value
+        return action, logprob, value, step + 1
 
+    return policy
+
+
+def rollout(args: Args, cfg: Config, networks: Networks, start_update: int, thread_id: int, device,
+            first_env_index: int, params_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
+    """One actor thread: its own EnvPool on the host, inference on `device`."""
+    envs = make_env(args.env_id, args.local_num_envs, first_env_index, args.seed)
+    env_ids = np.arange(first_env_index, first_env_index + args.local_num_envs)
+    policy = make_policy(args, networks, env_ids)
     obs, _ = envs.reset()
     done = np.zeros(args.local_num_envs, dtype=bool)
     episode_return = np.zeros(args.local_num_envs, dtype=np.float32)
@@ -410,14 +430,11 @@ def rollout(args: Args, cfg: Config, networks: Networks, start_update: int, thre
         # next batch while the learner trains on the previous one (Cleanba's version timeline).
         if not args.concurrency or update != start_update + 2:
             with timer(timings, "params_queue_get_time"):
-                params, version = queue_get(params_queue, stop)
-                params = jax.device_put(params, device)
+                params, version = queue_get(params_queue, stop)  # the learner put them on this device
         shape = (args.num_steps, args.local_num_envs)
         batch = dict(
             obs=np.zeros(shape + obs.shape[1:], dtype=obs.dtype),
             actions=np.zeros(shape, dtype=np.int32),
-            logprobs=np.zeros(shape, dtype=np.float32),
-            values=np.zeros((args.num_steps + 1, args.local_num_envs), dtype=np.float32),
             rewards=np.zeros(shape, dtype=np.float32),
             terminations=np.zeros(shape, dtype=bool),
             dones=np.zeros(shape, dtype=bool),
@@ -427,27 +444,32 @@ def rollout(args: Args, cfg: Config, networks: Networks, start_update: int, thre
             episode_returns=np.zeros(shape, dtype=np.float32),
             episode_lengths=np.zeros(shape, dtype=np.int32),
         )
+        logprobs, values = [], []  # they stay on the device until the rollout is complete
+        step = jax.device_put(np.int32((update - 1) * args.num_steps), device)
         for t in range(args.num_steps):
-            step = (update - 1) * args.num_steps + t
             with timer(timings, "inference_time"):
-                action, logprob, value = jax.device_get(policy(params, obs, step))
+                action, logprob, value, step = policy(params, obs, step)
+                action = np.asarray(action)  # the envs need it on the host
             with timer(timings, "env_step_time"):
                 next_obs, reward, terminated, truncated, info = envs.step(action)
+            logprobs.append(logprob)
+            values.append(value)
             batch["obs"][t] = obs
             batch["valid"][t] = ~done
             done = terminated | truncated
-            batch["actions"][t], batch["logprobs"][t], batch["values"][t] = action, logprob, value
-            batch["rewards"][t], batch["terminations"][t], batch["dones"][t] = reward, terminated, done
+            batch["actions"][t], batch["rewards"][t], batch["terminations"][t], batch["dones"][t] = (
+                action, reward, terminated, done)
             episode_return += info.get("reward", reward)  # Atari: the unclipped reward
             episode_length += batch["valid"][t]  # EnvPool's reset step is not part of either episode
             batch["episode_returns"][t] = np.where(done, episode_return, 0.0)
             batch["episode_lengths"][t] = np.where(done, episode_length, 0)
             episode_return[done], episode_length[done] = 0.0, 0
             obs = next_obs
-        with timer(timings, "inference_time"):  # bootstrap value of the last observation
-            batch["values"][args.num_steps] = jax.device_get(policy(params, obs, update * args.num_steps)[2])
+        with timer(timings, "inference_time"):
+            values.append(policy(params, obs, step)[2])  # bootstrap value of the last observation
+            batch["logprobs"], batch["values"] = np.asarray(jnp.stack(logprobs)), np.asarray(jnp.stack(values))
         with timer(timings, "rollout_queue_put_time"):
-            queue_put(rollout_queue, (thread_id, update, version, env_ids, batch, timings), stop)
+            queue_put(rollout_queue, Rollout(version, env_ids, batch, timings), stop)
 
 
 def batch_fingerprint(batch, env_ids):
@@ -503,6 +525,20 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     """
     T, S = args.num_steps, cfg.steps_per_minibatch
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), 1)
+    # XLA:CPU rewrites convolutions into the layout of its fast kernels only in a program's entry computation
+    # (ConvCanonicalization; jax issue #12868), so inside a loop the ResNet's gradient convolutions run as naive
+    # loops, ~10x slower. There, the minibatch loops are unrolled into the entry computation: the same
+    # arithmetic, compiled longer. Elsewhere a loop compiles once and runs as fast.
+    unroll = cfg.learner_devices[0].platform == "cpu" and isinstance(networks.torso, ResNet)
+
+    def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
+        if not unroll:
+            return jax.lax.scan(f, carry, xs)
+        outputs = []
+        for x in xs:
+            carry, output = f(carry, x)
+            outputs.append(output)
+        return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
 
     def global_mean(x, mask, count):
         return jax.lax.psum(jnp.sum(x * mask), "devices") / count
@@ -549,9 +585,9 @@ def make_update(args: Args, cfg: Config, networks: Networks):
                 metrics["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), metrics
 
-            return jax.lax.scan(minibatch, state, minibatch_steps)
+            return scan(minibatch, state, minibatch_steps)
 
-        state, metrics = jax.lax.scan(epoch, state, jnp.arange(args.update_epochs))
+        state, metrics = scan(epoch, state, jnp.arange(args.update_epochs))
         metrics = jax.tree.map(jnp.mean, metrics)
         # Episodes that ended in this batch, over all devices and processes (unclipped returns).
         finished = batch["dones"].astype(jnp.float32) * batch["valid"]
@@ -560,26 +596,39 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         metrics["episodic_length_sum"] = jax.lax.psum(jnp.sum(batch["episode_lengths"] * finished), "devices")
         return state, metrics, batch_fingerprint(batch, env_ids)
 
-    return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None),
-                    donate_argnums=(0,))
+    # The state is not donated: the actors keep using the parameters the learner just replaced.
+    return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
 
 
-def first_replica(tree):
-    """This process's first copy of a tree replicated over the learner devices (pmap outputs have a
-    leading device axis; each addressable shard holds one slice of it)."""
-    return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
+def replicate(tree, cfg: Config):
+    """A copy of the tree on every learner device (this process's values on its devices), placed as the
+    update's outputs are, so that the update's first call compiles the only version it needs."""
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(cfg.learner_devices, ("devices",)),
+                                          jax.sharding.PartitionSpec("devices"))
+    num_local_learners = len(cfg.local_learner_devices)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+        sharding, np.broadcast_to(np.asarray(x), (num_local_learners, *np.shape(x)))), tree)
 
 
-def collate(items, num_local_learners):
-    """Joins the actor threads' batches along the env axis (global env order), then splits the envs
-    into equal contiguous blocks, one per local learner device: (devices, time, envs/devices, ...)."""
-    batch = {k: np.concatenate([b[k] for b in items], axis=1) for k in items[0]}
+def replica(tree):
+    """The copy on this process's first learner device of a tree that pmap keeps on every learner device,
+    with its leading device axis of size 1 (taking a shard costs no computation)."""
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
-    def shard(x):
-        x = x.reshape(x.shape[0], num_local_learners, -1, *x.shape[2:])
-        return np.moveaxis(x, 1, 0)
 
-    return {k: shard(v) for k, v in batch.items()}
+def to_host(tree):
+    """One replica of a tree that pmap keeps on every learner device, copied to the host in one transfer."""
+    return jax.tree.map(lambda x: x[0], jax.device_get(replica(tree)))
+
+
+def collate(rollouts: list[Rollout], num_local_learners: int) -> dict:
+    """Joins the actor threads' batches along the env axis (global env order), then splits the envs into
+    equal contiguous blocks, one per local learner device: (devices, time, envs/devices, ...)."""
+    batch = {k: np.concatenate([r.batch[k] for r in rollouts], axis=1) for k in rollouts[0].batch}
+    batch = {k: np.moveaxis(v.reshape(v.shape[0], num_local_learners, -1, *v.shape[2:]), 1, 0)
+             for k, v in batch.items()}
+    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(num_local_learners, -1)
+    return batch
 
 
 def evaluate(args: Args, networks: Networks, params, num_episodes: int) -> list[float]:
@@ -647,6 +696,21 @@ def load_checkpoint(path: str, args: Args, cfg: Config) -> dict | None:
         raise ConfigError(f"--run-name {os.path.basename(os.path.dirname(path))} has a checkpoint of another "
                           f"configuration: {', '.join(changed)}; pass --no-resume to start it over")
     return checkpoint
+
+
+def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space):
+    """The initial parameters (from --seed) and the optimiser, with its learning-rate schedule."""
+    init_key = jax.random.fold_in(jax.random.key(args.seed), 3)
+    torso_key, actor_key, critic_key = jax.random.split(init_key, 3)
+    dummy_obs = np.zeros((1, *observation_space.shape), dtype=observation_space.dtype)
+    torso_params = networks.torso.init(torso_key, dummy_obs)
+    policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
+    params = {"torso": torso_params, "actor": networks.actor.init(actor_key, policy_hidden),
+              "critic": networks.critic.init(critic_key, value_hidden)}
+    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
+    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
+    return TrainState.create(apply_fn=None, params=params, tx=tx), schedule
 
 
 def main(args: Args):
@@ -717,25 +781,14 @@ def main(args: Args):
 
     spec = envpool.make_spec(args.env_id)
     networks = make_networks(spec.observation_space.shape, spec.action_space.n)
-    init_key = jax.random.fold_in(jax.random.key(args.seed), 3)
-    torso_key, actor_key, critic_key = jax.random.split(init_key, 3)
-    dummy_obs = np.zeros((1, *spec.observation_space.shape), dtype=spec.observation_space.dtype)
-    torso_params = networks.torso.init(torso_key, dummy_obs)
-    policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
-    params = {"torso": torso_params, "actor": networks.actor.init(actor_key, policy_hidden),
-              "critic": networks.critic.init(critic_key, value_hidden)}
-    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
-    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
-    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
-    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
     if checkpoint:  # optimiser state and step count included, so the learning-rate schedule continues
         state = flax.serialization.from_state_dict(state, checkpoint["state"])
     if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
         state, start_update = multihost_utils.broadcast_one_to_all((state, start_update))
         state, start_update = jax.device_get(state), int(start_update)
-    initial_params = state.params
     num_local_learners = len(cfg.local_learner_devices)
-    state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (num_local_learners, *np.shape(x))), state)
+    state = replicate(state, cfg)
     update_fn = make_update(args, cfg, networks)
     any_process = jax.pmap(lambda flag: jax.lax.psum(flag, "devices"), axis_name="devices", devices=cfg.learner_devices)
 
@@ -761,14 +814,17 @@ def main(args: Args):
                 target=run_actor, name=f"actor-{device_index}-{thread_index}", daemon=True,
                 args=(args, cfg, networks, start_update, thread_id, device, first_env_index, params_queue,
                       rollout_queue, stop))
-            actors.append((thread, params_queue, rollout_queue))
+            actors.append((thread, device, params_queue, rollout_queue))
 
-    def publish(params, version):
-        for _, params_queue, _ in actors:
-            queue_put(params_queue, (params, version), stop)
+    def publish(replica_params, version):
+        """Puts the parameters on each actor device once for all its threads (asynchronously; nothing to copy
+        on the learner's own device)."""
+        on_device = {device: jax.device_put(replica_params, device) for device in cfg.actor_devices}
+        for _, device, params_queue, _ in actors:
+            queue_put(params_queue, (on_device[device], version), stop)
 
     def write_checkpoint(update):
-        save_checkpoint(f"{run_dir}/checkpoint.msgpack", jax.device_get(first_replica(state)), update, args, cfg)
+        save_checkpoint(f"{run_dir}/checkpoint.msgpack", to_host(state), update, args, cfg)
         return update, time.time()
 
     episodes_since_log = np.zeros(3)  # episodes, return sum, length sum: since the last log line
@@ -776,34 +832,33 @@ def main(args: Args):
     update = last_checkpoint = start_update
     last_checkpoint_time = start_time
     try:
-        for thread, _, _ in actors:
+        for thread, *_ in actors:
             thread.start()
-        publish(initial_params, start_update + 1)
+        publish(replica(state.params), start_update + 1)
         for update in range(start_update + 1, cfg.num_updates + 1):
             timings = {}
             with timer(timings, "rollout_queue_get_time"):
-                items = [queue_get(rollout_queue, stop) for _, _, rollout_queue in actors]
+                rollouts = [queue_get(rollout_queue, stop) for *_, rollout_queue in actors]
             if fault_injected("learner", update):
                 raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
             data_version = expected_data_version(update, start_update + 1, args.concurrency)
-            if {item[2] for item in items} != {data_version}:
+            if {r.version for r in rollouts} != {data_version}:
                 raise RuntimeError(f"version contract violated at update {update}: learner at version {update} got "
-                                   f"data of versions {sorted({item[2] for item in items})}, expected {data_version}")
-            batch = collate([item[4] for item in items], num_local_learners)
-            batch["env_ids"] = np.stack(np.split(np.concatenate([item[3] for item in items]), num_local_learners))
+                                   f"data of versions {sorted({r.version for r in rollouts})}, expected {data_version}")
+            batch = collate(rollouts, num_local_learners)
             if fault_injected("nan", update):
                 batch["rewards"][:] = np.nan
             with timer(timings, "update_time"):
                 new_state, metrics, fingerprint = update_fn(state, batch, update)
-                metrics = jax.tree.map(float, first_replica(metrics))
-                fingerprint = f"{int(first_replica(fingerprint)):08x}"
+                metrics, fingerprint = to_host((metrics, fingerprint))
+                metrics, fingerprint = jax.tree.map(float, metrics), f"{int(fingerprint):08x}"
             for name in ["loss", "policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"]:
                 if not np.isfinite(value := metrics[name]):  # keep the last good state: never train on it
                     raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; the last good "
                                              f"checkpoint is the one after update {last_checkpoint}")
             state = new_state
             if update < cfg.num_updates:
-                publish(first_replica(state.params), update + 1)
+                publish(replica(state.params), update + 1)
 
             global_step = update * cfg.batch_size
             episodes_since_log += [metrics["episodes"], metrics["episodic_return_sum"], metrics["episodic_length_sum"]]
@@ -813,13 +868,13 @@ def main(args: Args):
             if is_main_process and (update % args.log_frequency == 0 or update == cfg.num_updates):
                 elapsed = time.time() - start_time
                 sps = int((update - start_update) * cfg.batch_size / elapsed)
-                actor_timings = {k: np.mean([item[5][k] for item in items]) for k in items[0][5]}
+                actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
                 episodes, return_sum, length_sum = episodes_since_log
                 if episodes:
                     writer.add_scalar("charts/episodic_return", return_sum / episodes, global_step)
                     writer.add_scalar("charts/episodic_length", length_sum / episodes, global_step)
                 writer.add_scalar("charts/SPS", sps, global_step)
-                lr = schedule(int(first_replica(state.step))) if args.anneal_lr else schedule  # restored step count
+                lr = schedule(int(to_host(state.step))) if args.anneal_lr else schedule  # restored step count
                 writer.add_scalar("charts/learning_rate", float(lr), global_step)
                 for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "loss", "grad_norm"]:
                     writer.add_scalar(f"losses/{name}", metrics[name], global_step)
@@ -838,7 +893,7 @@ def main(args: Args):
 
             stop_now = bool(stop_signals)
             if cfg.world_size > 1:  # all processes must leave after the same update, or a collective hangs
-                stop_now = int(first_replica(any_process(np.full(num_local_learners, stop_now, np.int32)))) > 0
+                stop_now = int(to_host(any_process(np.full(num_local_learners, stop_now, np.int32)))) > 0
             if stop_now:
                 break
             if is_main_process and ((args.checkpoint_interval and update % args.checkpoint_interval == 0)
@@ -852,7 +907,7 @@ def main(args: Args):
     if not failures and is_main_process:  # first: the learner's state does not wait for the actors
         write_checkpoint(update)
     deadline = time.time() + 30
-    for thread, _, _ in actors:
+    for thread, *_ in actors:
         thread.join(timeout=max(0.0, deadline - time.time()))
     for name, trace in failures:
         print(f"error in thread {name}:\n{trace}", file=sys.stderr)
@@ -862,7 +917,7 @@ def main(args: Args):
               f"update {update} (global step {update * cfg.batch_size:,}); checkpoint written to "
               f"{run_dir}/checkpoint.msgpack: run the same command to resume", flush=True)
     if is_main_process and args.save_model and not failures and not preempted:
-        params = jax.device_get(first_replica(state.params))
+        params = to_host(state.params)
         model_path = f"{run_dir}/{args.exp_name}.cleanba_model"
         with open(model_path, "wb") as f:
             f.write(flax.serialization.to_bytes(params))
