@@ -5,6 +5,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -44,15 +46,47 @@ def script_env(num_devices: int | None = None) -> dict:
     return env
 
 
-def run(cwd, *flags, algo="ppo", num_devices=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd, env=script_env(num_devices),
-                          capture_output=True, text=True, timeout=timeout)
+def run(cwd, *flags, algo="ppo", num_devices=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd,
+                          env=env or script_env(num_devices), capture_output=True, text=True, timeout=timeout)
 
 
 def start(cwd, *flags, algo="ppo", num_devices=None, env=None) -> subprocess.Popen:
+    """Starts the script in a session of its own (its id is the pid), so that session_processes() can tell
+    whether it left any process behind."""
     return subprocess.Popen([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd,
                             env=env or script_env(num_devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
+
+
+def timed_output(proc: subprocess.Popen, timeout: float) -> list[tuple[float, str]]:
+    """Waits for the process to exit; returns its output lines with the time each arrived. A process that
+    outlives `timeout` is killed and fails the test."""
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stdout))
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    finally:
+        reader.join(timeout=10)
+    return lines
+
+
+def session_processes(session_id: int) -> list[int]:
+    """The live processes of a session: what a process started by start() left running, if anything."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]  # after the command name
+        except OSError:  # it exited meanwhile
+            continue
+        if int(session) == session_id and state != "Z":
+            pids.append(int(entry))
+    return pids
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -1,13 +1,15 @@
 """End-to-end tests of both training scripts, run as a user runs them."""
 
+import dataclasses
+import glob
 import json
 import os
 
 import flax.serialization
 import numpy as np
 import pytest
-from helpers import (ALGOS, BREAKOUT, CARTPOLE, CARTPOLE_SOLVE, check, only_run, read_scalars, run, run_dirs,
-                     run_processes, solved_score, values)
+from helpers import (ALGOS, BREAKOUT, CARTPOLE, CARTPOLE_SOLVE, check, load_script, only_run, read_scalars, run,
+                     run_dirs, run_processes, script_env, solved_score, values)
 
 each_algo = pytest.mark.parametrize("algo", ALGOS)
 
@@ -70,6 +72,25 @@ def test_save_model_round_trip(tmp_path, algo):
         assert json.load(f)["args"]["env_id"] == "CartPole-v1"
     eval_returns = values(read_scalars(run_dir), "eval/episodic_return")
     assert len(eval_returns) == 3 and all(1 <= r <= 500 for r in eval_returns)
+
+
+@each_algo
+def test_track_mirrors_the_logs_to_wandb_offline(tmp_path, algo):
+    env = dict(script_env(), WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    check(run(tmp_path, *CARTPOLE, "--total-timesteps", 2 * 256, "--track", env=env, algo=algo))
+    runs = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(runs) == 1, os.listdir(tmp_path)
+    with open(runs[0], "rb") as f:
+        records = f.read()
+    for tag in [b"losses/value_loss", b"charts/SPS", b"stats/learner_policy_version"]:  # from TensorBoard
+        assert tag in records, tag
+
+
+@each_algo
+def test_help_lists_every_flag(tmp_path, algo):
+    help_text = check(run(tmp_path, "--help", algo=algo)).stdout
+    for field in dataclasses.fields(load_script(algo).Args):
+        assert f"--{field.name.replace('_', '-')}" in help_text, field.name
 
 
 BAD_INPUT = [
