@@ -1,26 +1,22 @@
 """Cleanba PPO: single-file, distributed PPO with JAX + EnvPool.
 
-The Cleanba architecture (Huang et al., 2023, "Cleanba: A Reproducible and Efficient Distributed
-Reinforcement Learning Platform"): actor threads and the learner are joined by queues of size 1.
+The Cleanba architecture (Huang et al., 2023): actor threads and the learner are joined by queues of size 1.
 
     iteration:  1        2        3        4
     actor:      p1->d1   p1->d2   p2->d3   p3->d4
     learner:             d1->p2   d2->p3   d3->p4
 
-The actor skips fetching parameters at iteration 2, so from then on the learner at version v trains on
-data of version v-1 while the actor already collects the next batch. `--no-concurrency` is the
-synchronous variant (lag 0, nothing overlaps), the default for PPO because the paper found the lag costs
-PPO some data efficiency.
+The actor skips fetching parameters at iteration 2, so from then on the learner at version v trains on data of
+version v-1 while the actor already collects the next batch. `--no-concurrency` is the synchronous variant (lag
+0, nothing overlaps), PPO's default: the paper found that the lag costs PPO some data efficiency.
 
-Reproducibility: every environment has a global index g over (process, actor device, actor thread, env);
-it is seeded from (seed, g), actions are sampled with a key derived from (g, step), minibatches are a
-function of (seed, update, epoch, g, t), and statistics are taken over the global minibatch. So the same
-seed gives the same batches on 1 device or many, up to float reassociation in the learner's sums.
-
-Usage: python cleanba/cleanba_ppo.py --env-id CartPole-v1 --total-timesteps 500000
-       python cleanba/cleanba_ppo.py --actor-device-ids 0 --learner-device-ids 1 2 3 --local-num-envs 60
+Reproducibility: every environment has a global index g over (process, actor device, actor thread, env); it is
+seeded from (seed, g), actions are sampled with a key derived from (g, step), minibatches are a function of
+(seed, update, epoch, g, t), and statistics are taken over the global minibatch. So the same seed gives the same
+batches on 1 device or many, up to float reassociation in the learner's sums.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,8 +28,7 @@ import threading
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Annotated, NamedTuple, TypeVar
 
 import envpool
 import flax
@@ -51,87 +46,91 @@ from tensorboardX import SummaryWriter
 # once per environment, about something that does not affect training.
 warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered", module="gymnasium")
 
+T = TypeVar("T")
+# Each field of Args says what it is (tests/test_scripts.py fails on a field that does not):
+Algorithm = Annotated[T, "algorithm"]  # what the run computes: in the run name's hash, checked on resume
+Runtime = Annotated[T, "runtime"]  # where the run executes and how it logs: a run may resume with another value
+
 
 @dataclasses.dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    exp_name: Algorithm[str] = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run name)"""
-    seed: int = 1
+    seed: Algorithm[int] = 1
     """seed of the experiment: environments, action sampling, initialisation and minibatches"""
-    track: bool = False
+    track: Runtime[bool] = False
     """mirror the TensorBoard logs to Weights & Biases (honours WANDB_MODE=offline)"""
-    wandb_project_name: str = "cleanba"
+    wandb_project_name: Runtime[str] = "cleanba"
     """the Weights & Biases project"""
-    wandb_entity: str | None = None
+    wandb_entity: Runtime[str | None] = None
     """the Weights & Biases entity (team); None uses your default"""
-    save_model: bool = False
+    save_model: Runtime[bool] = False
     """save the final parameters and the config to the run directory, then evaluate the saved model"""
-    eval_episodes: int = 10
+    eval_episodes: Runtime[int] = 10
     """episodes played by the saved model when --save-model is set"""
-    log_frequency: int = 10
+    log_frequency: Runtime[int] = 10
     """log to TensorBoard and the console every this many updates"""
-    run_name: str | None = None
-    """directory under runs/; by default env id, exp name, seed and a hash of the algorithm's configuration,
-    so that running the same command again (or a requeued SLURM job) finds the run and resumes it"""
-    resume: bool = True
+    run_name: Runtime[str | None] = None
+    """directory under runs/; by default env id, exp name, seed and a config hash: the same command resumes the run"""
+    resume: Runtime[bool] = True
     """resume from runs/<run_name>/checkpoint.msgpack when it exists; --no-resume starts over"""
-    checkpoint_interval: int = 100
+    checkpoint_interval: Runtime[int] = 100
     """write a checkpoint every this many updates (0: none by count; --checkpoint-minutes still applies)"""
-    checkpoint_minutes: float = 15.0
+    checkpoint_minutes: Runtime[float] = 15.0
     """also write a checkpoint when this many minutes have passed since the last one"""
-
-    # Algorithm-specific arguments: the defaults are the paper's Atari settings
-    env_id: str = "Breakout-v5"
+    compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"
+    """JAX's persistent compilation cache: a resumed or requeued run skips compiling what it compiled (None: off)"""
+    # The algorithm's defaults are the paper's Atari settings.
+    env_id: Algorithm[str] = "Breakout-v5"
     """an EnvPool environment id: Atari `*-v5` ids use the ResNet, vector observations (CartPole-v1) an MLP"""
-    total_timesteps: int = 50_000_000
+    total_timesteps: Algorithm[int] = 50_000_000
     """total environment steps over all environments (agent steps, not Atari frames)"""
-    learning_rate: float = 2.5e-4
+    learning_rate: Algorithm[float] = 2.5e-4
     """Adam's learning rate"""
-    anneal_lr: bool = True
+    anneal_lr: Algorithm[bool] = True
     """anneal the learning rate linearly to 0 over the run"""
-    local_num_envs: int = 64
-    """environments per actor thread"""
-    num_steps: int = 128
+    local_num_envs: Runtime[int] = 64
+    """environments per actor thread (their global number is part of the algorithm, their split is not)"""
+    num_steps: Algorithm[int] = 128
     """steps per environment in each rollout"""
-    gamma: float = 0.99
+    gamma: Algorithm[float] = 0.99
     """discount factor"""
-    gae_lambda: float = 0.95
+    gae_lambda: Algorithm[float] = 0.95
     """lambda of generalised advantage estimation"""
-    num_minibatches: int = 4
+    num_minibatches: Algorithm[int] = 4
     """minibatches per epoch; each holds num_steps/num_minibatches steps of every environment"""
-    update_epochs: int = 4
+    update_epochs: Algorithm[int] = 4
     """passes over each batch"""
-    norm_adv: bool = True
+    norm_adv: Algorithm[bool] = True
     """normalise advantages over each (global) minibatch"""
-    clip_coef: float = 0.1
+    clip_coef: Algorithm[float] = 0.1
     """PPO's surrogate clipping coefficient"""
-    ent_coef: float = 0.01
+    ent_coef: Algorithm[float] = 0.01
     """entropy bonus coefficient"""
-    vf_coef: float = 0.5
+    vf_coef: Algorithm[float] = 0.5
     """value loss coefficient"""
-    max_grad_norm: float = 0.5
+    max_grad_norm: Algorithm[float] = 0.5
     """global gradient-norm clipping threshold"""
-    adam_eps: float = 1e-5
+    adam_eps: Algorithm[float] = 1e-5
     """Adam's epsilon"""
-    concurrency: bool = False
+    concurrency: Algorithm[bool] = False
     """Cleanba architecture (actor one policy version behind, overlapping the learner) instead of synchronous"""
-
-    # Hardware layout: it never changes the algorithm, only where it runs
-    actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    # The layout: where the run executes, never what it computes.
+    actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])
     """local device ids that run the actors' inference"""
-    learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])
     """local device ids of the data-parallel learner"""
-    num_actor_threads: int = 2
+    num_actor_threads: Runtime[int] = 2
     """actor threads per actor device, each with its own environment pool"""
-    distributed: bool = False
+    distributed: Runtime[bool] = False
     """run as one of several processes with jax.distributed (SLURM's environment is read automatically)"""
-    coordinator_address: str | None = None
+    coordinator_address: Runtime[str | None] = None
     """with --distributed outside SLURM: host:port of process 0 (or set JAX_COORDINATOR_ADDRESS)"""
-    num_processes: int | None = None
+    num_processes: Runtime[int | None] = None
     """with --distributed outside SLURM: the number of processes"""
-    process_id: int | None = None
+    process_id: Runtime[int | None] = None
     """with --distributed outside SLURM: this process's rank"""
-    heartbeat_timeout: int = 100
+    heartbeat_timeout: Runtime[int] = 100
     """with --distributed: seconds after which the others give up on a process that died (they exit non-zero)"""
 
 
@@ -140,11 +139,9 @@ class Config(NamedTuple):
 
     world_size: int  # processes
     rank: int
-    num_envs_per_process: int
     num_envs: int  # over all processes
     batch_size: int  # env steps per update, over all processes
     num_updates: int
-    steps_per_minibatch: int  # time steps of each env in one minibatch
     env_offset: int  # global index of this process's first environment
     actor_devices: list
     learner_devices: list  # global, over all processes, in rank order
@@ -157,14 +154,12 @@ class ConfigError(ValueError):
 
 def check_args(args: Args):
     """Checks that need no devices: run before jax.distributed starts."""
-    positive = ["total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs",
-                "num_actor_threads", "log_frequency", "eval_episodes", "heartbeat_timeout"]
-    for name in positive:
+    positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
+    for name in [*positive.split(), "eval_episodes", "heartbeat_timeout"]:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
-        ids = getattr(args, name)
-        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
     if args.checkpoint_interval < 0 or not args.checkpoint_minutes > 0:
         raise ConfigError("--checkpoint-interval must be >= 0 and --checkpoint-minutes positive")
@@ -174,12 +169,10 @@ def check_args(args: Args):
         raise ConfigError(f"--learning-rate must be positive, got {args.learning_rate}")
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
         raise ConfigError("--gamma and --gae-lambda must lie in [0, 1]")
-    if args.num_steps % args.num_minibatches:
-        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}: "
-                          "each minibatch takes the same number of steps from every environment")
+    if args.num_steps % args.num_minibatches:  # each minibatch takes as many steps from every environment
+        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}")
     if args.env_id not in envpool.list_all_envs():
-        raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment "
-                          "(see envpool.list_all_envs())")
+        raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
     if not hasattr(envpool.make_spec(args.env_id).action_space, "n"):
         raise ConfigError(f"--env-id {args.env_id!r} has a continuous action space; PPO here needs discrete actions")
 
@@ -188,43 +181,39 @@ def derive_config(args: Args) -> Config:
     """Checks that need the devices (after jax.distributed), and the derived sizes."""
     local_devices = jax.local_devices()
     for name in ["actor_device_ids", "learner_device_ids"]:
-        missing = [i for i in getattr(args, name) if i >= len(local_devices)]
-        if missing:
-            raise ConfigError(f"--{name.replace('_', '-')} {missing} do not exist: this process has "
-                              f"{len(local_devices)} devices (ids 0..{len(local_devices) - 1})")
+        if missing := [i for i in getattr(args, name) if i >= len(local_devices)]:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {missing} do not exist: there are {len(local_devices)} devices"
+            )
     world_size, rank = jax.process_count(), jax.process_index()
-    num_envs_per_process = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
-    if num_envs_per_process % len(args.learner_device_ids):
-        raise ConfigError(
-            f"--local-num-envs {args.local_num_envs} x --num-actor-threads {args.num_actor_threads} x "
-            f"{len(args.actor_device_ids)} actor devices = {num_envs_per_process} environments cannot be "
-            f"split evenly over {len(args.learner_device_ids)} learner devices")
-    num_envs = num_envs_per_process * world_size
-    batch_size = num_envs * args.num_steps
+    envs_per_process = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    if envs_per_process % len(args.learner_device_ids):
+        envs = f"{args.local_num_envs} x {args.num_actor_threads} threads x {len(args.actor_device_ids)} actor devices"
+        raise ConfigError(f"--local-num-envs {envs} do not split over {len(args.learner_device_ids)} learner devices")
+    num_envs, batch_size = envs_per_process * world_size, envs_per_process * world_size * args.num_steps
     if args.total_timesteps < batch_size:
-        raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update "
-                          f"({num_envs} envs x {args.num_steps} steps = {batch_size})")
-    learner_devices = [jax.local_devices(process_index=p)[i] for p in range(world_size)
-                       for i in args.learner_device_ids]
-    return Config(
-        world_size=world_size,
-        rank=rank,
-        num_envs_per_process=num_envs_per_process,
-        num_envs=num_envs,
-        batch_size=batch_size,
-        num_updates=args.total_timesteps // batch_size,
-        steps_per_minibatch=args.num_steps // args.num_minibatches,
-        env_offset=rank * num_envs_per_process,
-        actor_devices=[local_devices[i] for i in args.actor_device_ids],
-        learner_devices=learner_devices,
-        local_learner_devices=[local_devices[i] for i in args.learner_device_ids],
+        raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size} steps)")
+    learners = [jax.local_devices(process_index=p)[i] for p in range(world_size) for i in args.learner_device_ids]
+    actors, local_learners = (
+        [local_devices[i] for i in ids] for ids in (args.actor_device_ids, args.learner_device_ids)
     )
+    num_updates, offset = args.total_timesteps // batch_size, rank * envs_per_process
+    return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
+
+
+# The run's random streams: each is a key folded from --seed alone, then with indices that do not depend on the
+# layout: actions with (step, global env index), minibatches with (update, epoch or group, global env index);
+# initialisation splits its key over the torso and the two heads.
+ACTIONS, MINIBATCHES, INITIALISATION = 0, 1, 3  # fixed numbers: every result depends on them
+
+
+def stream_key(seed: int, stream: int):
+    return jax.random.fold_in(jax.random.key(seed), stream)
 
 
 def env_seed(seed: int, env_index: int) -> int:
-    """EnvPool seeds env i of a pool with (pool seed) + i, so a pool seeded with env_seed(seed, global index
-    of its first env) gives env g the same seed whatever pool or process holds it. Each --seed gets its own
-    block of 2^20 env seeds (EnvPool takes 31-bit seeds), so runs with seeds 1, 2, 3 share no environment."""
+    """EnvPool seeds env i of a pool with (pool seed) + i: seeded with env_seed(seed, its first env's global index), a
+    pool gives env g the same seed wherever it runs. Each --seed has its own block of 2^20 env seeds (31-bit)."""
     return (seed * 2**20 + env_index) % 2**31
 
 
@@ -251,10 +240,8 @@ class ResidualBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         inputs = x
-        x = nn.relu(x)
-        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
-        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(nn.relu(x))
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(nn.relu(x))
         return x + inputs
 
 
@@ -270,8 +257,7 @@ class ResNet(nn.Module):
         for channels in self.channels:
             x = nn.Conv(channels, kernel_size=(3, 3))(x)
             x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
-            x = ResidualBlock(channels)(x)
-            x = ResidualBlock(channels)(x)
+            x = ResidualBlock(channels)(ResidualBlock(channels)(x))
         x = nn.relu(x.reshape((x.shape[0], -1)))
         x = nn.relu(nn.Dense(self.hidden)(x))
         return x, x  # shared by the policy and the value heads
@@ -316,8 +302,7 @@ class Networks(NamedTuple):
 
 def make_networks(observation_shape, num_actions) -> Networks:
     """The torso follows the observation: frames get the ResNet, vectors the MLP."""
-    torso = ResNet() if len(observation_shape) == 3 else MLP()
-    return Networks(torso, Actor(num_actions), Critic())
+    return Networks(ResNet() if len(observation_shape) == 3 else MLP(), Actor(num_actions), Critic())
 
 
 def forward(networks: Networks, params, obs):
@@ -325,63 +310,23 @@ def forward(networks: Networks, params, obs):
     return networks.actor.apply(params["actor"], policy_hidden), networks.critic.apply(params["critic"], value_hidden)
 
 
-@contextmanager
-def timer(timings: dict, name: str):
-    """Adds the wall-clock time of the block to timings[name]."""
+@contextlib.contextmanager
+def timer(timings: dict, name: str):  # adds the block's wall-clock time to timings[name]
     start = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
 class StopRequested(Exception):
     """Raised in a thread blocked on a queue once another thread has asked everyone to stop."""
 
 
-def queue_put(q: queue.Queue, item, stop: threading.Event):
-    while not stop.is_set():
-        try:
-            return q.put(item, timeout=1.0)
-        except queue.Full:
-            pass
-    raise StopRequested
-
-
-def queue_get(q: queue.Queue, stop: threading.Event):
-    while not stop.is_set():
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            pass
-    raise StopRequested
-
-
-def expected_data_version(update: int, first_update: int, concurrency: bool) -> int:
-    """The version contract: the policy version that must have produced the batch of this update. The
-    learner holds version `update` before training on it; with concurrency the actor reuses the first
-    parameters for a second batch, so from then on it is one version behind."""
-    return update - 1 if concurrency and update > first_update else update
-
-
 def fault_injected(where: str, update: int) -> bool:
-    """Test hook for tests/test_failures.py: CLEANBA_FAULT=<where>@<update>, where is `actor` (the first
-    actor thread raises), `learner` (the learner raises), `nan` (the batch's rewards become NaN) or
-    `checkpoint` (the process dies between writing that update's checkpoint and renaming it into place).
-    Unset, it does nothing. When it fires it says so on stderr, for the tests to time what follows."""
+    """Test hook (tests/test_failures.py): CLEANBA_FAULT=<actor|learner|nan|checkpoint>@<update>; see the README."""
     if os.environ.get("CLEANBA_FAULT") != f"{where}@{update}":
         return False
-    print(f"CLEANBA_FAULT: {where} fault at update {update}", file=sys.stderr, flush=True)
+    print(f"CLEANBA_FAULT: {where} fault at update {update}", file=sys.stderr)
     return True
-
-
-def bottleneck(learner_wait: float, actor_wait: float) -> str:
-    """The side that waits is not the bottleneck: the learner waits for data when the actors are slower."""
-    if learner_wait > 2 * actor_wait + 1e-3:  # waits under a millisecond are noise
-        return f"actors are the bottleneck (learner waited {learner_wait:.2f}s for data)"
-    if actor_wait > 2 * learner_wait + 1e-3:
-        return f"learner is the bottleneck (actors waited {actor_wait:.2f}s for parameters)"
-    return "actors and learner balanced"
 
 
 class Rollout(NamedTuple):
@@ -394,10 +339,9 @@ class Rollout(NamedTuple):
 
 
 def make_policy(args: Args, networks: Networks, env_ids: np.ndarray):
-    """The actor's jitted policy for the environments `env_ids`. It takes a learner replica's parameters (their
-    device axis of size 1 is dropped inside the call, not by a dispatch per leaf) and a step counter that stays
-    on the device, so the only per-step transfers are the observations in and the actions out."""
-    action_key = jax.random.fold_in(jax.random.key(args.seed), 0)
+    """The actor's jitted policy for the environments `env_ids`. It takes a learner replica's parameters (with a
+    device axis of size 1) and a step counter kept on the device: per step, only observations in, actions out."""
+    action_key = stream_key(args.seed, ACTIONS)
 
     @jax.jit
     def policy(replica_params, obs, step):
@@ -412,74 +356,131 @@ def make_policy(args: Args, networks: Networks, env_ids: np.ndarray):
     return policy
 
 
-def rollout(args: Args, cfg: Config, networks: Networks, start_update: int, thread_id: int, device,
-            first_env_index: int, params_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
-    """One actor thread: its own EnvPool on the host, inference on `device`."""
-    envs = make_env(args.env_id, args.local_num_envs, first_env_index, args.seed)
-    env_ids = np.arange(first_env_index, first_env_index + args.local_num_envs)
-    policy = make_policy(args, networks, env_ids)
-    obs, _ = envs.reset()
-    done = np.zeros(args.local_num_envs, dtype=bool)
-    episode_return = np.zeros(args.local_num_envs, dtype=np.float32)
-    episode_length = np.zeros(args.local_num_envs, dtype=np.int32)
-    for update in range(start_update + 1, cfg.num_updates + 1):
-        timings = {}
-        if thread_id == 0 and fault_injected("actor", update):
-            raise RuntimeError(f"CLEANBA_FAULT: injected actor failure at update {update}")
-        # The second iteration reuses the first parameters, so that from then on the actor collects the
-        # next batch while the learner trains on the previous one (Cleanba's version timeline).
-        if not args.concurrency or update != start_update + 2:
-            with timer(timings, "params_queue_get_time"):
-                params, version = queue_get(params_queue, stop)  # the learner put them on this device
-        shape = (args.num_steps, args.local_num_envs)
-        batch = dict(
-            obs=np.zeros(shape + obs.shape[1:], dtype=obs.dtype),
-            actions=np.zeros(shape, dtype=np.int32),
-            rewards=np.zeros(shape, dtype=np.float32),
-            terminations=np.zeros(shape, dtype=bool),
-            dones=np.zeros(shape, dtype=bool),
-            # EnvPool resets a finished env on the *next* step: that step's action is ignored, so the
-            # transition out of a final observation is not real and is masked out of the loss.
-            valid=np.zeros(shape, dtype=bool),
-            episode_returns=np.zeros(shape, dtype=np.float32),
-            episode_lengths=np.zeros(shape, dtype=np.int32),
-        )
-        logprobs, values = [], []  # they stay on the device until the rollout is complete
-        step = jax.device_put(np.int32((update - 1) * args.num_steps), device)
-        for t in range(args.num_steps):
+class Actors:
+    """The actor threads: each has its own EnvPool, inference on its actor device, and a params and a rollout queue
+    of size 1. Any thread's failure (the learner's too) sets `stop`, which every queue operation checks."""
+
+    def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int):
+        self.args, self.cfg, self.networks, self.start_update = args, cfg, networks, start_update
+        self.stop, self.failures, self.threads = threading.Event(), [], []
+        for device_index, device in enumerate(cfg.actor_devices):
+            for thread_index in range(args.num_actor_threads):
+                queues = queue.Queue(maxsize=1), queue.Queue(maxsize=1)  # parameters in, rollouts out
+                thread_id = device_index * args.num_actor_threads + thread_index
+                name = f"actor-{device_index}-{thread_index}"
+                thread = threading.Thread(target=self.run, args=(thread_id, device, *queues), name=name, daemon=True)
+                self.threads.append((thread, device, *queues))
+
+    def run(self, *rollout_args):
+        try:
+            self.rollout(*rollout_args)
+        except StopRequested:
+            pass
+        except BaseException:
+            self.fail()
+
+    def fail(self):
+        """Records the exception being handled in the calling thread and stops every thread."""
+        self.failures.append((threading.current_thread().name, traceback.format_exc()))
+        self.stop.set()
+
+    def rollout(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
+        """One actor thread: a rollout per update, with the parameters the learner published for it."""
+        args, num_envs = self.args, self.args.local_num_envs
+        first_env_index = self.cfg.env_offset + thread_id * num_envs
+        envs = make_env(args.env_id, num_envs, first_env_index, args.seed)
+        env_ids = np.arange(first_env_index, first_env_index + num_envs)
+        policy = make_policy(args, self.networks, env_ids)
+        (obs, _), done = envs.reset(), np.zeros(num_envs, dtype=bool)
+        episode_return, episode_length = np.zeros(num_envs, dtype=np.float32), np.zeros(num_envs, dtype=np.int32)
+        for update in range(self.start_update + 1, self.cfg.num_updates + 1):
+            timings = {}
+            if thread_id == 0 and fault_injected("actor", update):
+                raise RuntimeError(f"CLEANBA_FAULT: injected actor failure at update {update}")
+            # The second iteration reuses the first parameters, so that from then on the actor collects the
+            # next batch while the learner trains on the previous one (Cleanba's version timeline).
+            if not args.concurrency or update != self.start_update + 2:
+                with timer(timings, "params_queue_get_time"):
+                    params, version = self.blocking(params_queue.get)  # the learner put them on this device
+            shape = (args.num_steps, num_envs)
+            batch = dict(
+                obs=np.zeros(shape + obs.shape[1:], dtype=obs.dtype),
+                actions=np.zeros(shape, dtype=np.int32),
+                rewards=np.zeros(shape, dtype=np.float32),
+                terminations=np.zeros(shape, dtype=bool),
+                dones=np.zeros(shape, dtype=bool),
+                # EnvPool resets a finished env on the *next* step: that step's action is ignored, so the
+                # transition out of a final observation is not real and is masked out of the loss.
+                valid=np.zeros(shape, dtype=bool),
+                episode_returns=np.zeros(shape, dtype=np.float32),
+                episode_lengths=np.zeros(shape, dtype=np.int32),
+            )
+            logprobs, values = [], []  # they stay on the device until the rollout is complete
+            step = jax.device_put(np.int32((update - 1) * args.num_steps), device)
+            for t in range(args.num_steps):
+                with timer(timings, "inference_time"):
+                    action, logprob, value, step = policy(params, obs, step)
+                    action = np.asarray(action)  # the envs need it on the host
+                with timer(timings, "env_step_time"):
+                    next_obs, reward, terminated, truncated, info = envs.step(action)
+                logprobs.append(logprob)
+                values.append(value)
+                batch["obs"][t], batch["valid"][t] = obs, ~done
+                done = terminated | truncated
+                batch["actions"][t], batch["rewards"][t] = action, reward
+                batch["terminations"][t], batch["dones"][t] = terminated, done
+                episode_return += info.get("reward", reward)  # Atari: the unclipped reward
+                episode_length += batch["valid"][t]  # EnvPool's reset step is not part of either episode
+                batch["episode_returns"][t] = np.where(done, episode_return, 0.0)
+                batch["episode_lengths"][t] = np.where(done, episode_length, 0)
+                episode_return[done], episode_length[done] = 0.0, 0
+                obs = next_obs
             with timer(timings, "inference_time"):
-                action, logprob, value, step = policy(params, obs, step)
-                action = np.asarray(action)  # the envs need it on the host
-            with timer(timings, "env_step_time"):
-                next_obs, reward, terminated, truncated, info = envs.step(action)
-            logprobs.append(logprob)
-            values.append(value)
-            batch["obs"][t] = obs
-            batch["valid"][t] = ~done
-            done = terminated | truncated
-            batch["actions"][t], batch["rewards"][t], batch["terminations"][t], batch["dones"][t] = (
-                action, reward, terminated, done)
-            episode_return += info.get("reward", reward)  # Atari: the unclipped reward
-            episode_length += batch["valid"][t]  # EnvPool's reset step is not part of either episode
-            batch["episode_returns"][t] = np.where(done, episode_return, 0.0)
-            batch["episode_lengths"][t] = np.where(done, episode_length, 0)
-            episode_return[done], episode_length[done] = 0.0, 0
-            obs = next_obs
-        with timer(timings, "inference_time"):
-            values.append(policy(params, obs, step)[2])  # bootstrap value of the last observation
-            batch["logprobs"], batch["values"] = np.asarray(jnp.stack(logprobs)), np.asarray(jnp.stack(values))
-        with timer(timings, "rollout_queue_put_time"):
-            queue_put(rollout_queue, Rollout(version, env_ids, batch, timings), stop)
+                values.append(policy(params, obs, step)[2])  # bootstrap value of the last observation
+                batch["logprobs"], batch["values"] = np.asarray(jnp.stack(logprobs)), np.asarray(jnp.stack(values))
+            with timer(timings, "rollout_queue_put_time"):
+                self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
+
+    def start(self, replica_params):
+        for thread, *_ in self.threads:
+            thread.start()
+        self.publish(replica_params, self.start_update + 1)
+
+    def publish(self, replica_params, version: int):
+        """Puts the parameters on each actor device once for all its threads (nothing to copy on the learner's)."""
+        on_device = {device: jax.device_put(replica_params, device) for device in self.cfg.actor_devices}
+        for _, device, params_queue, _ in self.threads:
+            self.blocking(params_queue.put, (on_device[device], version))
+
+    def collect(self) -> list[Rollout]:
+        return [self.blocking(rollout_queue.get) for *_, rollout_queue in self.threads]
+
+    def join(self, timeout: float):
+        deadline = time.time() + timeout
+        for thread, *_ in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.time()))
+
+    def blocking(self, queue_operation, *item):
+        """A queue's put or get, retried with a timeout until it succeeds or the run stops."""
+        while not self.stop.is_set():
+            with contextlib.suppress(queue.Full, queue.Empty):
+                return queue_operation(*item, timeout=1.0)
+        raise StopRequested
+
+
+def check_version_contract(rollouts: list[Rollout], update: int, first_update: int, concurrency: bool) -> int:
+    """The batch the learner at version `update` trains on comes from that version, or with concurrency from the
+    one before (the actor reuses the first parameters for a second batch, and stays one version behind)."""
+    expected = update - 1 if concurrency and update > first_update else update
+    if (versions := sorted({r.version for r in rollouts})) != [expected]:
+        raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}, not {expected}")
+    return expected
 
 
 def batch_fingerprint(batch, env_ids):
-    """A 32-bit checksum of what the actors collected (observations, actions, rewards, episode ends).
-
-    Each environment's column gets a position-weighted checksum, tied to the env's global index and
-    mixed (MurmurHash3's finaliser); the columns are then added mod 2^32 over envs and devices. Integer
-    addition is exact and order-free, so the fingerprint does not depend on which device or process
-    holds which env: runs with different layouts can be compared update by update.
-    """
+    """A 32-bit checksum of what the actors collected (observations, actions, rewards, episode ends). Each env's
+    column gets a position-weighted checksum, tied to its global index and mixed (MurmurHash3's finaliser); they
+    are added mod 2^32, which is exact and order-free: the fingerprint does not depend on the layout."""
 
     def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
         x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
@@ -496,14 +497,17 @@ def batch_fingerprint(batch, env_ids):
     return jax.lax.psum(jnp.sum(h, dtype=jnp.uint32), "devices")
 
 
-def gae(args: Args, rewards, values, terminations, dones):
-    """Generalised advantage estimation (Schulman et al., 2016); time-major inputs.
+def episode_sums(batch):
+    """Count, return sum and length sum of the episodes that ended in the batch, over all devices and processes."""
+    ended = batch["dones"].astype(jnp.float32) * batch["valid"]
+    sums = [jnp.sum(x * ended) for x in (1.0, batch["episode_returns"], batch["episode_lengths"])]
+    return jax.lax.psum(jnp.stack(sums), "devices")
 
-    values has num_steps + 1 entries: values[t + 1] is the value of the observation after step t. After a
-    truncation that is the episode's final observation (recorded by the actor), so the truncated return
-    bootstraps from it; a termination zeroes the bootstrap. The recursion stops at every episode end, so
-    EnvPool's reset step that follows (masked out of the loss) never leaks into an episode's advantages.
-    """
+
+def gae(args: Args, rewards, values, terminations, dones):
+    """Generalised advantage estimation (Schulman et al., 2016), time-major. values[t + 1] is the value after step t:
+    after a truncation, of the episode's final observation (the return bootstraps from it); a termination zeroes it.
+    The recursion stops at episode ends: EnvPool's reset step that follows (masked out) never leaks into an episode."""
     deltas = rewards + args.gamma * values[1:] * (1.0 - terminations) - values[:-1]
 
     def backward(next_advantage, delta_done):
@@ -516,19 +520,14 @@ def gae(args: Args, rewards, values, terminations, dones):
 
 
 def make_update(args: Args, cfg: Config, networks: Networks):
-    """The learner's update, data-parallel over the learner devices (pmap axis "devices").
-
-    Each device holds the whole rollout of some environments. Minibatch k of an epoch takes, from every
-    environment g, the time steps permutation(seed, update, epoch, g)[k*S:(k+1)*S]: its composition
-    depends on the seed and g only, never on which device holds g. Means are taken over the global
-    minibatch (psum of sums and counts), so N devices compute the update one device would.
-    """
-    T, S = args.num_steps, cfg.steps_per_minibatch
-    minibatch_key = jax.random.fold_in(jax.random.key(args.seed), 1)
-    # XLA:CPU rewrites convolutions into the layout of its fast kernels only in a program's entry computation
-    # (ConvCanonicalization; jax issue #12868), so inside a loop the ResNet's gradient convolutions run as naive
-    # loops, ~10x slower. There, the minibatch loops are unrolled into the entry computation: the same
-    # arithmetic, compiled longer. Elsewhere a loop compiles once and runs as fast.
+    """The learner's update, data-parallel over the learner devices (pmap axis "devices"), each holding the rollouts
+    of some envs. Minibatch k of an epoch takes from env g the time steps permutation(seed, update, epoch, g)[k*S:
+    (k+1)*S], whatever device holds g; means are over the global minibatch, so N devices compute what one does."""
+    T, S = args.num_steps, args.num_steps // args.num_minibatches  # S: time steps of each env in a minibatch
+    minibatch_key = stream_key(args.seed, MINIBATCHES)
+    # XLA:CPU rewrites convolutions into its fast kernels' layout only in a program's entry computation (jax issue
+    # #12868): in a loop, the ResNet's gradient convolutions run ~10x slower. There the minibatch loops are unrolled
+    # (the same arithmetic, compiled longer); elsewhere a loop compiles once and runs as fast.
     unroll = cfg.learner_devices[0].platform == "cpu" and isinstance(networks.torso, ResNet)
 
     def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
@@ -554,7 +553,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             mean = global_mean(advantages, mb["valid"], count)
             var = global_mean(jnp.square(advantages - mean), mb["valid"], count)
             advantages = (advantages - mean) / (jnp.sqrt(var) + 1e-8)
-        pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef))
+        clipped_ratio = jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+        pg_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio)
         v_loss = 0.5 * jnp.square(new_values - mb["returns"])
         entropy = -jnp.sum(jnp.exp(logprobs_all) * logprobs_all, axis=-1)
         # Local sums over the global count: the psum of these gradients is the global mean's gradient.
@@ -566,8 +566,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
     def update(state: TrainState, batch, update_index):
         advantages, returns = gae(args, batch["rewards"], batch["values"], batch["terminations"], batch["dones"])
-        data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"],
-                    advantages=advantages, returns=returns, valid=batch["valid"].astype(jnp.float32))
+        data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"], advantages=advantages)
+        data.update(returns=returns, valid=batch["valid"].astype(jnp.float32))
         env_ids, local_envs = batch["env_ids"], batch["env_ids"].shape[0]
         update_key = jax.random.fold_in(minibatch_key, update_index)
 
@@ -579,40 +579,31 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             def minibatch(state, steps):  # steps: (local_envs, S) time indices of each env
                 mb = jax.tree.map(lambda x: x[steps, jnp.arange(local_envs)[:, None]].reshape(-1, *x.shape[2:]), data)
                 count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
-                grads, metrics = jax.grad(ppo_loss, has_aux=True)(state.params, mb, count)
-                grads = jax.lax.psum(grads, "devices")
-                metrics = jax.lax.psum(metrics, "devices")
-                metrics["grad_norm"] = optax.tree.norm(grads)
-                return state.apply_gradients(grads=grads), metrics
+                grads, losses = jax.grad(ppo_loss, has_aux=True)(state.params, mb, count)
+                grads, losses = jax.lax.psum((grads, losses), "devices")
+                losses["grad_norm"] = optax.tree.norm(grads)
+                return state.apply_gradients(grads=grads), losses
 
             return scan(minibatch, state, minibatch_steps)
 
-        state, metrics = scan(epoch, state, jnp.arange(args.update_epochs))
-        metrics = jax.tree.map(jnp.mean, metrics)
-        # Episodes that ended in this batch, over all devices and processes (unclipped returns).
-        finished = batch["dones"].astype(jnp.float32) * batch["valid"]
-        metrics["episodes"] = jax.lax.psum(jnp.sum(finished), "devices")
-        metrics["episodic_return_sum"] = jax.lax.psum(jnp.sum(batch["episode_returns"] * finished), "devices")
-        metrics["episodic_length_sum"] = jax.lax.psum(jnp.sum(batch["episode_lengths"] * finished), "devices")
-        return state, metrics, batch_fingerprint(batch, env_ids)
+        state, losses = scan(epoch, state, jnp.arange(args.update_epochs))
+        return state, jax.tree.map(jnp.mean, losses), episode_sums(batch), batch_fingerprint(batch, env_ids)
 
     # The state is not donated: the actors keep using the parameters the learner just replaced.
     return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
 
 
 def replicate(tree, cfg: Config):
-    """A copy of the tree on every learner device (this process's values on its devices), placed as the
-    update's outputs are, so that the update's first call compiles the only version it needs."""
-    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(cfg.learner_devices, ("devices",)),
-                                          jax.sharding.PartitionSpec("devices"))
-    num_local_learners = len(cfg.local_learner_devices)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-        sharding, np.broadcast_to(np.asarray(x), (num_local_learners, *np.shape(x)))), tree)
+    """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
+    mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
+    local_shape = lambda x: (len(cfg.local_learner_devices), *np.shape(x))  # noqa: E731
+    place = lambda x: jax.make_array_from_process_local_data(sharding, np.broadcast_to(x, local_shape(x)))  # noqa: E731
+    return jax.tree.map(place, tree)
 
 
 def replica(tree):
-    """The copy on this process's first learner device of a tree that pmap keeps on every learner device,
-    with its leading device axis of size 1 (taking a shard costs no computation)."""
+    """The copy on this process's first learner device of a tree pmap keeps on each (a shard: no computation)."""
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
@@ -622,326 +613,288 @@ def to_host(tree):
 
 
 def collate(rollouts: list[Rollout], num_local_learners: int) -> dict:
-    """Joins the actor threads' batches along the env axis (global env order), then splits the envs into
-    equal contiguous blocks, one per local learner device: (devices, time, envs/devices, ...)."""
+    """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
     batch = {k: np.concatenate([r.batch[k] for r in rollouts], axis=1) for k in rollouts[0].batch}
-    batch = {k: np.moveaxis(v.reshape(v.shape[0], num_local_learners, -1, *v.shape[2:]), 1, 0)
-             for k, v in batch.items()}
+    split = lambda x: np.moveaxis(x.reshape(x.shape[0], num_local_learners, -1, *x.shape[2:]), 1, 0)  # noqa: E731
+    batch = {k: split(v) for k, v in batch.items()}
     batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(num_local_learners, -1)
     return batch
 
 
-def evaluate(args: Args, networks: Networks, params, num_episodes: int) -> list[float]:
-    """Plays num_episodes with the given parameters (actions sampled from the policy, seeded apart from
-    training), returning the unclipped episodic returns."""
-    envs = make_env(args.env_id, 1, first_env_index=2**20 - 1, seed=args.seed)  # an index no training env has
-    policy = jax.jit(lambda p, o, k: jax.random.categorical(k, forward(networks, p, o)[0]))
-    key = jax.random.fold_in(jax.random.key(args.seed), 2)
-    obs, _ = envs.reset()
-    returns, episode_return = [], 0.0
-    for step in range(10**8):
-        if len(returns) == num_episodes:
-            break
-        obs, reward, terminated, truncated, info = envs.step(np.asarray(policy(params, obs, jax.random.fold_in(key, step))))
-        episode_return += float(info.get("reward", reward)[0])
-        if terminated[0] or truncated[0]:
-            returns.append(episode_return)
-            episode_return = 0.0
-    return returns
-
-
-# Fields that say where and how a run is executed or logged, not what it computes: a run may resume
-# with other values. The global number of environments is part of the algorithm; its split is not.
-LAYOUT_AND_BOOKKEEPING = {
-    "track", "wandb_project_name", "wandb_entity", "save_model", "eval_episodes", "log_frequency", "run_name",
-    "resume", "checkpoint_interval", "checkpoint_minutes", "local_num_envs", "actor_device_ids",
-    "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address", "num_processes",
-    "process_id", "heartbeat_timeout"}
+def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
+    """One update: (new state, its record for updates.jsonl). A non-finite loss stops the run before any use of it."""
+    if fault_injected("learner", update):
+        raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
+    if fault_injected("nan", update):
+        batch["rewards"][:] = np.nan
+    new_state, *results = update_fn(state, batch, update)
+    losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
+    for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
+        if not np.isfinite(value):
+            last = f"the last good checkpoint is the one after update {last_checkpoint}"
+            raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
+    return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
 
 
 def algorithm_config(args: Args, cfg: Config) -> dict:
-    config = {k: v for k, v in dataclasses.asdict(args).items() if k not in LAYOUT_AND_BOOKKEEPING}
+    """What the run computes: the fields marked Algorithm, and the global number of environments (not its split)."""
+    config = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if "algorithm" in f.type.__metadata__}
     return {**config, "num_envs": cfg.num_envs}
 
 
-def default_run_name(args: Args, cfg: Config) -> str:
-    digest = hashlib.sha1(json.dumps(algorithm_config(args, cfg), sort_keys=True).encode()).hexdigest()[:8]
-    return f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
-
-
-def save_checkpoint(path: str, state: TrainState, update: int, args: Args, cfg: Config):
-    """Write, flush to disk, then rename: a reader sees the previous checkpoint or this one, never a
-    partial file, whatever interrupts the write."""
-    data = flax.serialization.msgpack_serialize(dict(
-        state=flax.serialization.to_state_dict(state), update=update,
-        config=json.dumps(algorithm_config(args, cfg), sort_keys=True)))
-    with open(f"{path}.tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if fault_injected("checkpoint", update):
-        os._exit(137)  # killed between the write and the rename
-    os.replace(f"{path}.tmp", path)
-
-
-def load_checkpoint(path: str, args: Args, cfg: Config) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        checkpoint = flax.serialization.msgpack_restore(f.read())
-    saved, current = json.loads(checkpoint["config"]), algorithm_config(args, cfg)
-    changed = [f"{k} (checkpoint {saved.get(k)!r}, now {current.get(k)!r})"
-               for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
-    if changed:
-        raise ConfigError(f"--run-name {os.path.basename(os.path.dirname(path))} has a checkpoint of another "
-                          f"configuration: {', '.join(changed)}; pass --no-resume to start it over")
-    return checkpoint
-
-
-def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space):
-    """The initial parameters (from --seed) and the optimiser, with its learning-rate schedule."""
-    init_key = jax.random.fold_in(jax.random.key(args.seed), 3)
-    torso_key, actor_key, critic_key = jax.random.split(init_key, 3)
-    dummy_obs = np.zeros((1, *observation_space.shape), dtype=observation_space.dtype)
-    torso_params = networks.torso.init(torso_key, dummy_obs)
-    policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
-    params = {"torso": torso_params, "actor": networks.actor.init(actor_key, policy_hidden),
-              "critic": networks.critic.init(critic_key, value_hidden)}
-    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
-    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
-    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
-    return TrainState.create(apply_fn=None, params=params, tx=tx), schedule
-
-
-def main(args: Args):
+def start_up(args: Args) -> tuple[Config, str, dict | None]:
+    """Checks the arguments, joins the other processes (--distributed) and reads the checkpoint to resume, if any.
+    Bad input ends the run here, before anything is created: one line naming the flag, exit status 2."""
     try:
         check_args(args)
+        if args.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         if args.distributed:
-            # The heartbeat timeout bounds how long the other processes wait when one of them dies. At the
-            # end, the others wait in JAX's shutdown barrier while process 0 evaluates a saved model.
-            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                       heartbeat_timeout_seconds=args.heartbeat_timeout,
-                                       shutdown_timeout_seconds=3600)
+            # The heartbeat timeout bounds how long the other processes wait when one of them dies. At the end,
+            # the others wait in JAX's shutdown barrier while process 0 evaluates a saved model.
+            timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
         cfg = derive_config(args)
-        run_name = args.run_name or default_run_name(args, cfg)
-        run_dir = f"runs/{run_name}"
-        checkpoint = load_checkpoint(f"{run_dir}/checkpoint.msgpack", args, cfg) if args.resume else None
+        digest = hashlib.sha1(json.dumps(algorithm_config(args, cfg), sort_keys=True).encode()).hexdigest()[:8]
+        run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
+        path, checkpoint = f"runs/{run_name}/checkpoint.msgpack", None
+        if args.resume and os.path.exists(path):
+            with open(path, "rb") as f:
+                checkpoint = flax.serialization.msgpack_restore(f.read())
+            saved, current = json.loads(checkpoint["config"]), algorithm_config(args, cfg)
+            if changed := [f"{k} ({saved.get(k)!r}, now {v!r})" for k, v in current.items() if saved.get(k) != v]:
+                changed = f"a checkpoint of another configuration: {', '.join(changed)}"
+                raise ConfigError(f"--run-name {run_name} has {changed}; pass --no-resume to start it over")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C), from here on: checkpoint after the update in progress
-    # (the first one, if it comes during start-up), then exit.
-    stop_signals = []
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
-    is_main_process = cfg.rank == 0
-    if not args.resume and is_main_process and os.path.exists(f"{run_dir}/checkpoint.msgpack"):
-        os.remove(f"{run_dir}/checkpoint.msgpack")  # starting over: a later resume must not find the old run
-    start_update = checkpoint["update"] if checkpoint else 0
-    if start_update == cfg.num_updates:
-        print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do "
-              "(--no-resume starts it over, --run-name or --seed starts another)")
-        return
-    notation = (f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}"
-                f"-d{cfg.world_size}")
-    layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads,
-                  actor_devices=[str(d) for d in cfg.actor_devices],
-                  learner_devices=[str(d) for d in cfg.learner_devices], platform=jax.default_backend(),
-                  num_envs=cfg.num_envs, batch_size=cfg.batch_size, num_updates=cfg.num_updates)
+    if not args.resume and cfg.rank == 0 and os.path.exists(path):
+        os.remove(path)  # starting over: a later resume must not find the old run
+    return cfg, run_name, checkpoint
 
-    writer = updates_log = None
-    if is_main_process:
+
+class RunDir:
+    """What process 0 writes to runs/<run_name>/: TensorBoard events (mirrored to W&B by --track), config.json,
+    updates.jsonl (per update: version, fingerprint, losses; for compare_runs.py), checkpoints, model; console lines."""
+
+    def __init__(self, args: Args, cfg: Config, run_name: str, start_update: int, schedule):
+        self.args, self.cfg, self.schedule, self.path = args, cfg, schedule, f"runs/{run_name}"
+        self.start_update, self.start_time, self.active = start_update, time.time(), cfg.rank == 0
+        self.last_checkpoint, self.last_checkpoint_time = start_update, time.time()
+        self.episodes = np.zeros(3)  # count, return sum and length sum of the episodes since the last log line
+        self.wandb = None
+        if not self.active:
+            return
+        ids = lambda ids: ",".join(map(str, ids))  # noqa: E731
+        notation = f"a{ids(args.actor_device_ids)}-l{ids(args.learner_device_ids)}-d{cfg.world_size}"
+        layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads)
+        layout.update(actor_devices=[str(d) for d in cfg.actor_devices], platform=jax.default_backend())
+        layout.update(learner_devices=[str(d) for d in cfg.learner_devices], num_envs=cfg.num_envs)
+        layout.update(batch_size=cfg.batch_size, num_updates=cfg.num_updates)
         if args.track:
-            import wandb
+            import wandb  # only with --track: it takes a second to import
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=vars(args), name=run_name, save_code=True,
-                       id=hashlib.sha1(run_name.encode()).hexdigest()[:16], resume="allow")
-        # On a restart, purge_step hides what was logged after the checkpoint we resume from.
-        writer = SummaryWriter(run_dir, purge_step=start_update * cfg.batch_size + 1 if os.path.isdir(run_dir) else None)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                        "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-        writer.add_text("layout", json.dumps(layout))
-        with open(f"{run_dir}/config.json", "w") as f:
+            self.wandb = wandb
+            run = dict(name=run_name, id=hashlib.sha1(run_name.encode()).hexdigest()[:16], resume="allow")  # same id
+            project = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args))
+            wandb.init(**project, **run, sync_tensorboard=True, save_code=True)
+        # Resumed, the run hides what was logged after its checkpoint; started over (--no-resume), all it logged.
+        purge_step = (start_update * cfg.batch_size + 1 if start_update else 0) if os.path.isdir(self.path) else None
+        self.writer = SummaryWriter(self.path, purge_step=purge_step)
+        table = "".join(f"|{k}|{v}|\n" for k, v in vars(args).items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        with open(f"{self.path}/config.json", "w") as f:
             json.dump(dict(args=dataclasses.asdict(args), layout=layout), f, indent=2)
-        # One line per update with the batch fingerprint and the losses at full precision, for
-        # comparing runs after the fact (cleanba/compare_runs.py); a resumed run keeps what it resumes.
-        kept = []
-        if start_update and os.path.exists(f"{run_dir}/updates.jsonl"):
-            with open(f"{run_dir}/updates.jsonl") as f:
+        kept = []  # a resumed run keeps the lines of the updates it resumes after
+        if start_update and os.path.exists(f"{self.path}/updates.jsonl"):
+            with open(f"{self.path}/updates.jsonl") as f:
                 kept = [line for line in f if json.loads(line)["update"] <= start_update]
-        updates_log = open(f"{run_dir}/updates.jsonl", "w", buffering=1)
-        updates_log.writelines(kept)
-        print(f"run {run_name}: {args.env_id}, {cfg.num_envs} envs x {args.num_steps} steps = "
-              f"{cfg.batch_size} per update, {cfg.num_updates} updates; layout {notation} with "
-              f"{args.num_actor_threads} actor threads per actor device", flush=True)
-        if checkpoint:
-            print(f"resuming from {run_dir}/checkpoint.msgpack after update {start_update} "
-                  f"(global step {start_update * cfg.batch_size:,}); environments restart their episodes", flush=True)
+        self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
+        self.updates.writelines(kept)
+        batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
+        print(f"run {run_name}: {args.env_id}, {batch}; layout {notation} with {args.num_actor_threads} actor threads")
+        if start_update:
+            resumed = f"after update {start_update} (global step {start_update * cfg.batch_size:,})"
+            print(f"resuming from {self.path}/checkpoint.msgpack {resumed}; environments restart their episodes")
 
+    def log(self, update: int, data_version: int, record: dict, timings: dict, rollouts: list, state: TrainState):
+        self.episodes += record["episodes"]
+        if not self.active:
+            return
+        step = update * self.cfg.batch_size
+        record = dict(update=update, global_step=step, data_version=data_version, **record)
+        self.updates.write(json.dumps(record) + "\n")
+        if update % self.args.log_frequency and update != self.cfg.num_updates:
+            return
+        elapsed = time.time() - self.start_time
+        sps = int((update - self.start_update) * self.cfg.batch_size / elapsed)
+        actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
+        learning_rate = self.schedule(int(to_host(state.step))) if callable(self.schedule) else self.schedule
+        scalars = {"charts/SPS": sps, "charts/learning_rate": float(learning_rate), "stats/update": update}
+        episodes, return_sum, length_sum = self.episodes
+        self.episodes[:] = 0
+        if episodes:
+            scalars.update(
+                {"charts/episodic_return": return_sum / episodes, "charts/episodic_length": length_sum / episodes}
+            )
+        scalars.update({"stats/actor_policy_version": data_version, "stats/learner_policy_version": update})
+        scalars.update({f"losses/{name}": value for name, value in record["losses"].items()})
+        scalars.update({f"stats/{name}": seconds for name, seconds in {**actor_timings, **timings}.items()})
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
+        recent = f"{return_sum / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
+        waits = self.bottleneck(timings["rollout_queue_get_time"], actor_timings.get("params_queue_get_time", 0))
+        progress = f"update {update}/{self.cfg.num_updates} | step {step:,} | SPS {sps:,} | return {recent}"
+        print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")
+
+    @staticmethod
+    def bottleneck(learner_wait: float, actor_wait: float) -> str:
+        """The side that waits is not the bottleneck: the learner waits for data when the actors are slower."""
+        if learner_wait > 2 * actor_wait + 1e-3:  # waits under a millisecond are noise
+            return f"actors are the bottleneck (learner waited {learner_wait:.2f}s for data)"
+        if actor_wait > 2 * learner_wait + 1e-3:
+            return f"learner is the bottleneck (actors waited {actor_wait:.2f}s for parameters)"
+        return "actors and learner balanced"
+
+    def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
+        """Every --checkpoint-interval updates or --checkpoint-minutes, and when the run stops. Written, flushed to
+        disk, then renamed: a reader sees the previous checkpoint or this one, never a partial file."""
+        interval, minutes = self.args.checkpoint_interval, self.args.checkpoint_minutes
+        due = (interval and update % interval == 0) or time.time() - self.last_checkpoint_time > 60 * minutes
+        if if_due and not due:
+            return
+        self.last_checkpoint, self.last_checkpoint_time = update, time.time()
+        if not self.active:
+            return
+        config = json.dumps(algorithm_config(self.args, self.cfg), sort_keys=True)
+        checkpoint = dict(state=flax.serialization.to_state_dict(to_host(state)), update=update, config=config)
+        with open(f"{self.path}/checkpoint.msgpack.tmp", "wb") as f:
+            f.write(flax.serialization.msgpack_serialize(checkpoint))
+            f.flush()
+            os.fsync(f.fileno())
+        if fault_injected("checkpoint", update):
+            os._exit(137)  # killed between the write and the rename
+        os.replace(f"{self.path}/checkpoint.msgpack.tmp", f"{self.path}/checkpoint.msgpack")
+
+    def save_and_evaluate(self, networks: Networks, params):
+        """Saves the parameters, then plays --eval-episodes with the file's, logging the unclipped returns."""
+        args, model_path = self.args, f"{self.path}/{self.args.exp_name}.cleanba_model"
+        with open(model_path, "wb") as f:
+            f.write(flax.serialization.to_bytes(params))
+        print(f"model saved to {model_path}")
+        with open(model_path, "rb") as f:
+            params = flax.serialization.from_bytes(params, f.read())
+        env_index = 2**20 - 1  # the actors' policy, on an environment no training env shares an index with
+        envs, policy = (
+            make_env(args.env_id, 1, env_index, args.seed),
+            make_policy(args, networks, np.array([env_index])),
+        )
+        params, (obs, _) = jax.tree.map(lambda x: x[None], params), envs.reset()  # with the policy's device axis
+        step, episode, episode_return = 0, 0, 0.0
+        while episode < args.eval_episodes:
+            action, *_, step = policy(params, obs, step)
+            obs, reward, terminated, truncated, info = envs.step(np.asarray(action))
+            episode_return += float(info.get("reward", reward)[0])
+            if terminated[0] or truncated[0]:
+                self.writer.add_scalar("eval/episodic_return", episode_return, episode)
+                print(f"eval episode {episode}: return {episode_return}")
+                episode, episode_return = episode + 1, 0.0
+
+    def close(self, finished: bool):
+        if self.active:
+            self.writer.close()
+            self.updates.close()
+        if finished and self.wandb:
+            self.wandb.finish()
+
+
+def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space, checkpoint: dict | None):
+    """(Parameters from --seed or the checkpoint, and the optimiser, on the learner devices; start update; schedule)"""
+    torso_key, actor_key, critic_key = jax.random.split(stream_key(args.seed, INITIALISATION), 3)
+    dummy_obs = np.zeros((1, *observation_space.shape), dtype=observation_space.dtype)
+    torso_params = networks.torso.init(torso_key, dummy_obs)
+    policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
+    params = dict(torso=torso_params, actor=networks.actor.init(actor_key, policy_hidden))
+    params.update(critic=networks.critic.init(critic_key, value_hidden))
+    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
+    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
+    state, start_update = TrainState.create(apply_fn=None, params=params, tx=tx), 0
+    if checkpoint:  # optimiser state and step count included, so the learning-rate schedule continues
+        state, start_update = flax.serialization.from_state_dict(state, checkpoint["state"]), checkpoint["update"]
+    if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
+        state, start_update = jax.device_get(multihost_utils.broadcast_one_to_all((state, start_update)))
+    return replicate(state, cfg), int(start_update), schedule
+
+
+def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: list, networks: Networks, state, update):
+    """Stops every thread and ends the run: exit status 1 after a failure (its traceback printed once), 128 + the
+    signal's number after a stop signal (with a checkpoint), 0 at the end (with the model, if asked for)."""
+    actors.stop.set()
+    if not actors.failures:  # first: the learner's state does not wait for the actors
+        run_dir.checkpoint(state, update)
+    actors.join(timeout=30)
+    for name, trace in actors.failures:
+        print(f"error in thread {name}:\n{trace}", file=sys.stderr)
+    preempted = not actors.failures and update < cfg.num_updates
+    if preempted and cfg.rank == 0:
+        stopped_by = signal.Signals(signals[0]).name if signals else "another process"
+        checkpoint = f"checkpoint written to {run_dir.path}/checkpoint.msgpack"
+        print(f"stopped by {stopped_by} after update {update} (global step {update * cfg.batch_size:,}); {checkpoint}")
+        print("run the same command to resume")
+    if cfg.rank == 0 and args.save_model and not actors.failures and not preempted:
+        run_dir.save_and_evaluate(networks, to_host(state.params))
+    run_dir.close(finished=not actors.failures and not preempted)
+    if actors.failures and args.distributed:
+        sys.stderr.flush()
+        os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
+    if actors.failures or preempted:
+        sys.exit(1 if actors.failures else 128 + (signals[0] if signals else signal.SIGTERM))
+
+
+def main(args: Args):
+    cfg, run_name, checkpoint = start_up(args)
+    signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: signals.append(signum))
+    if checkpoint and checkpoint["update"] == cfg.num_updates:
+        other = "--no-resume starts it over, --run-name or --seed starts another"
+        return print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({other})")
     spec = envpool.make_spec(args.env_id)
     networks = make_networks(spec.observation_space.shape, spec.action_space.n)
-    state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
-    if checkpoint:  # optimiser state and step count included, so the learning-rate schedule continues
-        state = flax.serialization.from_state_dict(state, checkpoint["state"])
-    if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
-        state, start_update = multihost_utils.broadcast_one_to_all((state, start_update))
-        state, start_update = jax.device_get(state), int(start_update)
-    num_local_learners = len(cfg.local_learner_devices)
-    state = replicate(state, cfg)
+    state, start_update, schedule = init_train_state(args, cfg, networks, spec.observation_space, checkpoint)
+    run_dir = RunDir(args, cfg, run_name, start_update, schedule)
     update_fn = make_update(args, cfg, networks)
-    any_process = jax.pmap(lambda flag: jax.lax.psum(flag, "devices"), axis_name="devices", devices=cfg.learner_devices)
+    actors = Actors(args, cfg, networks, start_update)
+    # All processes stop after the same update, or one would wait forever in a collective of the next.
+    any_process = jax.pmap(lambda stop: jax.lax.psum(stop, "devices"), "devices", devices=cfg.learner_devices)
 
-    stop = threading.Event()
-    failures = []  # (thread name, formatted traceback)
-
-    def run_actor(*thread_args):
-        try:
-            rollout(*thread_args)
-        except StopRequested:
-            pass
-        except BaseException:
-            failures.append((threading.current_thread().name, traceback.format_exc()))
-            stop.set()
-
-    actors = []
-    for device_index, device in enumerate(cfg.actor_devices):
-        for thread_index in range(args.num_actor_threads):
-            thread_id = device_index * args.num_actor_threads + thread_index
-            first_env_index = cfg.env_offset + thread_id * args.local_num_envs
-            params_queue, rollout_queue = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
-            thread = threading.Thread(
-                target=run_actor, name=f"actor-{device_index}-{thread_index}", daemon=True,
-                args=(args, cfg, networks, start_update, thread_id, device, first_env_index, params_queue,
-                      rollout_queue, stop))
-            actors.append((thread, device, params_queue, rollout_queue))
-
-    def publish(replica_params, version):
-        """Puts the parameters on each actor device once for all its threads (asynchronously; nothing to copy
-        on the learner's own device)."""
-        on_device = {device: jax.device_put(replica_params, device) for device in cfg.actor_devices}
-        for _, device, params_queue, _ in actors:
-            queue_put(params_queue, (on_device[device], version), stop)
-
-    def write_checkpoint(update):
-        save_checkpoint(f"{run_dir}/checkpoint.msgpack", to_host(state), update, args, cfg)
-        return update, time.time()
-
-    episodes_since_log = np.zeros(3)  # episodes, return sum, length sum: since the last log line
-    start_time = time.time()
-    update = last_checkpoint = start_update
-    last_checkpoint_time = start_time
+    update = start_update
     try:
-        for thread, *_ in actors:
-            thread.start()
-        publish(replica(state.params), start_update + 1)
+        actors.start(replica(state.params))
         for update in range(start_update + 1, cfg.num_updates + 1):
             timings = {}
             with timer(timings, "rollout_queue_get_time"):
-                rollouts = [queue_get(rollout_queue, stop) for *_, rollout_queue in actors]
-            if fault_injected("learner", update):
-                raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
-            data_version = expected_data_version(update, start_update + 1, args.concurrency)
-            if {r.version for r in rollouts} != {data_version}:
-                raise RuntimeError(f"version contract violated at update {update}: learner at version {update} got "
-                                   f"data of versions {sorted({r.version for r in rollouts})}, expected {data_version}")
-            batch = collate(rollouts, num_local_learners)
-            if fault_injected("nan", update):
-                batch["rewards"][:] = np.nan
+                rollouts = actors.collect()
+            data_version = check_version_contract(rollouts, update, start_update + 1, args.concurrency)
+            batch = collate(rollouts, len(cfg.local_learner_devices))
             with timer(timings, "update_time"):
-                new_state, metrics, fingerprint = update_fn(state, batch, update)
-                metrics, fingerprint = to_host((metrics, fingerprint))
-                metrics, fingerprint = jax.tree.map(float, metrics), f"{int(fingerprint):08x}"
-            for name in ["loss", "policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"]:
-                if not np.isfinite(value := metrics[name]):  # keep the last good state: never train on it
-                    raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; the last good "
-                                             f"checkpoint is the one after update {last_checkpoint}")
-            state = new_state
+                state, record = learn(update_fn, state, batch, update, run_dir.last_checkpoint)
             if update < cfg.num_updates:
-                publish(replica(state.params), update + 1)
-
-            global_step = update * cfg.batch_size
-            episodes_since_log += [metrics["episodes"], metrics["episodic_return_sum"], metrics["episodic_length_sum"]]
-            if is_main_process:
-                updates_log.write(json.dumps(dict(update=update, global_step=global_step, data_version=data_version,
-                                                  fingerprint=fingerprint, **metrics)) + "\n")
-            if is_main_process and (update % args.log_frequency == 0 or update == cfg.num_updates):
-                elapsed = time.time() - start_time
-                sps = int((update - start_update) * cfg.batch_size / elapsed)
-                actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
-                episodes, return_sum, length_sum = episodes_since_log
-                if episodes:
-                    writer.add_scalar("charts/episodic_return", return_sum / episodes, global_step)
-                    writer.add_scalar("charts/episodic_length", length_sum / episodes, global_step)
-                writer.add_scalar("charts/SPS", sps, global_step)
-                lr = schedule(int(to_host(state.step))) if args.anneal_lr else schedule  # restored step count
-                writer.add_scalar("charts/learning_rate", float(lr), global_step)
-                for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "loss", "grad_norm"]:
-                    writer.add_scalar(f"losses/{name}", metrics[name], global_step)
-                writer.add_scalar("stats/actor_policy_version", data_version, global_step)
-                writer.add_scalar("stats/learner_policy_version", update, global_step)
-                writer.add_scalar("stats/update", update, global_step)
-                for name, seconds in {**actor_timings, **timings}.items():
-                    writer.add_scalar(f"stats/{name}", seconds, global_step)
-                eta = elapsed / (update - start_update) * (cfg.num_updates - update)
-                recent = f"{return_sum / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
-                episodes_since_log[:] = 0
-                print(f"update {update}/{cfg.num_updates} | step {global_step:,} | SPS {sps:,} | "
-                      f"return {recent} | ETA {eta / 60:.1f} min | "
-                      f"{bottleneck(timings['rollout_queue_get_time'], actor_timings.get('params_queue_get_time', 0))}",
-                      flush=True)
-
-            stop_now = bool(stop_signals)
-            if cfg.world_size > 1:  # all processes must leave after the same update, or a collective hangs
-                stop_now = int(to_host(any_process(np.full(num_local_learners, stop_now, np.int32)))) > 0
-            if stop_now:
+                actors.publish(replica(state.params), update + 1)
+            run_dir.log(update, data_version, record, timings, rollouts, state)
+            stop = np.full(len(cfg.local_learner_devices), bool(signals), np.int32)
+            if signals if cfg.world_size == 1 else int(to_host(any_process(stop))):
                 break
-            if is_main_process and ((args.checkpoint_interval and update % args.checkpoint_interval == 0)
-                                    or time.time() - last_checkpoint_time > 60 * args.checkpoint_minutes):
-                last_checkpoint, last_checkpoint_time = write_checkpoint(update)
+            run_dir.checkpoint(state, update, if_due=True)
     except StopRequested:
         pass
     except BaseException:
-        failures.append((threading.current_thread().name, traceback.format_exc()))
-    stop.set()
-    if not failures and is_main_process:  # first: the learner's state does not wait for the actors
-        write_checkpoint(update)
-    deadline = time.time() + 30
-    for thread, *_ in actors:
-        thread.join(timeout=max(0.0, deadline - time.time()))
-    for name, trace in failures:
-        print(f"error in thread {name}:\n{trace}", file=sys.stderr)
-    preempted = not failures and update < cfg.num_updates
-    if preempted and is_main_process:
-        print(f"stopped by {signal.Signals(stop_signals[0]).name if stop_signals else 'another process'} after "
-              f"update {update} (global step {update * cfg.batch_size:,}); checkpoint written to "
-              f"{run_dir}/checkpoint.msgpack: run the same command to resume", flush=True)
-    if is_main_process and args.save_model and not failures and not preempted:
-        params = to_host(state.params)
-        model_path = f"{run_dir}/{args.exp_name}.cleanba_model"
-        with open(model_path, "wb") as f:
-            f.write(flax.serialization.to_bytes(params))
-        print(f"model saved to {model_path}", flush=True)
-        with open(model_path, "rb") as f:
-            loaded = flax.serialization.from_bytes(params, f.read())
-        for episode, episode_return in enumerate(evaluate(args, networks, loaded, args.eval_episodes)):
-            writer.add_scalar("eval/episodic_return", episode_return, episode)
-            print(f"eval episode {episode}: return {episode_return}", flush=True)
-    if is_main_process:
-        writer.close()
-        updates_log.close()
-    if failures:
-        if args.distributed:  # skip JAX's exit barrier, which would wait for processes stuck in a collective
-            sys.stderr.flush()
-            os._exit(1)
-        sys.exit(1)
-    if preempted:
-        sys.exit(128 + (stop_signals[0] if stop_signals else signal.SIGTERM))
-    if is_main_process and args.track:
-        import wandb
-
-        wandb.finish()
+        actors.fail()
+    finish(args, cfg, actors, run_dir, signals, networks, state, update)
 
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines reach log files (SLURM's) as they are printed
     main(tyro.cli(Args))

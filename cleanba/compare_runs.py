@@ -3,17 +3,18 @@
     python cleanba/compare_runs.py runs/RUN_A runs/RUN_B [--updates N]
 
 Reads `updates.jsonl` (one line per update, written by the training scripts) and `config.json` of each
-run. Prints both layouts, the first update whose batch fingerprints differ, and for each loss series
-its maximum relative difference over the first N common updates (all by default) with the update where
-it occurs. The difference at an update is |a - b| divided by the series' scale, max |a| over the
-compared updates (a pointwise ratio would measure noise wherever a series crosses zero).
+run. Prints both layouts, the first update whose batch fingerprints differ, and for each series of the
+records' "losses" (whatever the script logs there) its maximum relative difference over the first N
+common updates (all by default) with the update where it occurs. The difference at an update is |a - b|
+divided by the series' scale, max |a| over the compared updates (a pointwise ratio would measure noise
+wherever a series crosses zero).
 
-The policy loss and the approximate KL are means of terms of size ~1 that nearly cancel, so float
-reassociation moves them by far more, relative to their size, than the value loss and the entropy:
-they get their own tolerance (--near-zero-rtol), and so does the total loss, which contains the policy
-loss (early in IMPALA's training the policy loss is almost all of it). Exit status: 0 if the fingerprints agree and
-every series is within its tolerance, 1 otherwise, 2 for bad input. A tool, never imported by the
-training scripts.
+The policy loss, the approximate KL and the gradient norm are built from terms of size ~1 that nearly
+cancel, so float reassociation moves them by far more, relative to their size, than the value loss and
+the entropy: they get their own tolerance (--near-zero-rtol), and so does the total loss, which contains
+the policy loss (early in IMPALA's training the policy loss is almost all of it). Exit status: 0 if the
+fingerprints agree and every series is within its tolerance, 1 otherwise, 2 for bad input. A tool, never
+imported by the training scripts.
 """
 
 import argparse
@@ -21,8 +22,7 @@ import json
 import os
 import sys
 
-LOSSES = ["loss", "policy_loss", "value_loss", "entropy", "approx_kl"]
-NEAR_ZERO = {"loss", "policy_loss", "approx_kl"}
+NEAR_ZERO = {"loss", "policy_loss", "approx_kl", "grad_norm"}
 RTOL, NEAR_ZERO_RTOL = 1e-5, 1e-3
 
 
@@ -44,13 +44,13 @@ def compare(updates_a: list[dict], updates_b: list[dict], num_updates: int | Non
     n = min(len(updates_a), len(updates_b))
     if num_updates is not None:
         n = min(n, num_updates)
-    pairs = list(zip(updates_a[:n], updates_b[:n]))
+    pairs = list(zip(updates_a[:n], updates_b[:n], strict=True))
     mismatch = next((a["update"] for a, b in pairs if a["fingerprint"] != b["fingerprint"]), None)
     max_difference = {}
-    for name in LOSSES:
-        scale = max((abs(a[name]) for a, _ in pairs), default=0.0) or 1.0
-        differences = [(abs(a[name] - b[name]) / scale, a["update"]) for a, b in pairs]
-        max_difference[name] = max(differences, default=(0.0, None))
+    for name in [name for name in pairs[0][0]["losses"] if name in pairs[0][1]["losses"]] if pairs else []:
+        scale = max(abs(a["losses"][name]) for a, _ in pairs) or 1.0
+        differences = [(abs(a["losses"][name] - b["losses"][name]) / scale, a["update"]) for a, b in pairs]
+        max_difference[name] = max(differences)
     return dict(updates=n, first_fingerprint_mismatch=mismatch, max_relative_difference=max_difference)
 
 
@@ -59,9 +59,13 @@ def main():
     parser.add_argument("run_a")
     parser.add_argument("run_b")
     parser.add_argument("--updates", type=int, default=None, help="compare only the first N updates")
-    parser.add_argument("--rtol", type=float, default=RTOL, help="tolerance of value_loss, entropy")
-    parser.add_argument("--near-zero-rtol", type=float, default=NEAR_ZERO_RTOL,
-                        help="tolerance of loss, policy_loss and approx_kl")
+    parser.add_argument("--rtol", type=float, default=RTOL, help="tolerance of the other series (value_loss, entropy)")
+    parser.add_argument(
+        "--near-zero-rtol",
+        type=float,
+        default=NEAR_ZERO_RTOL,
+        help="tolerance of loss, policy_loss, approx_kl and grad_norm",
+    )
     args = parser.parse_args()
     runs = []
     for run_dir in (args.run_a, args.run_b):
@@ -74,13 +78,17 @@ def main():
     result = compare(updates_a, updates_b, args.updates)
     for label, run_dir, config in (("A", args.run_a, config_a), ("B", args.run_b, config_b)):
         layout = config["layout"]
-        print(f"{label}: {run_dir}\n   layout {layout['notation']}, {layout['actor_threads_per_device']} actor "
-              f"threads per actor device, {layout['processes']} processes, on {layout['platform']}")
+        print(
+            f"{label}: {run_dir}\n   layout {layout['notation']}, {layout['actor_threads_per_device']} actor "
+            f"threads per actor device, {layout['processes']} processes, on {layout['platform']}"
+        )
     if len(updates_a) != len(updates_b):
         print(f"runs have {len(updates_a)} and {len(updates_b)} updates; comparing the first {result['updates']}")
     mismatch = result["first_fingerprint_mismatch"]
-    print(f"batch fingerprints: {'identical' if mismatch is None else f'first differ at update {mismatch}'} "
-          f"over {result['updates']} updates")
+    print(
+        f"batch fingerprints: {'identical' if mismatch is None else f'first differ at update {mismatch}'} "
+        f"over {result['updates']} updates"
+    )
     print(f"{'series':14s} {'max rel. diff':>13s} {'(update)':>9s} {'tolerance':>10s}")
     within = True
     for name, (difference, update) in result["max_relative_difference"].items():

@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import platform
-import queue
 import subprocess
 import sys
 import tempfile
@@ -57,14 +56,27 @@ CONFIGS = {
     "cartpole": dict(  # the README's CartPole batches, with the default 2 actor threads
         ppo=["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-steps", "128"],
         impala=["--env-id", "CartPole-v1", "--local-num-envs", "16", "--num-steps", "20"],
-        updates=dict(ppo=100, impala=400), log_frequency=dict(ppo=10, impala=10), repeats=3, platforms=("cpu", "gpu")),
+        updates=dict(ppo=100, impala=400),
+        log_frequency=dict(ppo=10, impala=10),
+        repeats=3,
+        platforms=("cpu", "gpu"),
+    ),
     "breakout": dict(  # the default ResNet and hyperparameters on a small batch
         ppo=["--env-id", "Breakout-v5", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "32"],
         impala=["--env-id", "Breakout-v5", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "20"],
-        updates=dict(ppo=5, impala=12), log_frequency=dict(ppo=1, impala=1), repeats=1, platforms=("cpu", "gpu")),
+        updates=dict(ppo=5, impala=12),
+        log_frequency=dict(ppo=1, impala=1),
+        repeats=1,
+        platforms=("cpu", "gpu"),
+    ),
     "atari": dict(  # the paper's defaults: 2 actor threads x 64 envs, 128 steps (PPO) or 20 (IMPALA)
-        ppo=["--env-id", "Breakout-v5"], impala=["--env-id", "Breakout-v5"],
-        updates=dict(ppo=12, impala=60), log_frequency=dict(ppo=1, impala=2), repeats=1, platforms=("gpu",)),
+        ppo=["--env-id", "Breakout-v5"],
+        impala=["--env-id", "Breakout-v5"],
+        updates=dict(ppo=12, impala=60),
+        log_frequency=dict(ppo=1, impala=2),
+        repeats=1,
+        platforms=("gpu",),
+    ),
 }
 WARMUP_UPDATES = 2  # compilation happens in the first update; with Cleanba, the second's data is ready early
 
@@ -116,8 +128,9 @@ def in_threads(work, num_threads: int) -> float:
 
 def env_ceiling(algo, args, num_threads: int, seconds: float) -> float:
     """Steps/s of EnvPool alone: the actor threads' pools stepped concurrently with random actions."""
-    pools = [algo.make_env(args.env_id, args.local_num_envs, i * args.local_num_envs, args.seed)
-             for i in range(num_threads)]
+    pools = [
+        algo.make_env(args.env_id, args.local_num_envs, i * args.local_num_envs, args.seed) for i in range(num_threads)
+    ]
     for pool in pools:
         pool.reset()
     rng = np.random.default_rng(0)
@@ -134,37 +147,25 @@ def env_ceiling(algo, args, num_threads: int, seconds: float) -> float:
     return sum(steps) * args.local_num_envs / elapsed
 
 
-def actor_alone(algo, args, cfg, networks, params, rollouts: int):
-    """The script's actor threads (its rollout function) collecting `rollouts` rollouts each, fed the same
-    parameters and nobody training. Returns (steps/s after the first rollout, the first rollouts)."""
-    stop = threading.Event()
-    queues = [(queue.Queue(maxsize=1), queue.Queue(maxsize=1)) for _ in range(args.num_actor_threads)]
-    device = cfg.actor_devices[0]
-    on_device = jax.device_put(params, device)
-
-    def run_actor(i):
-        try:
-            algo.rollout(args, cfg, networks, 0, i, device, i * args.local_num_envs, *queues[i], stop)
-        except algo.StopRequested:
-            pass
-
-    actor_threads = [threading.Thread(target=run_actor, args=(i,), daemon=True) for i in range(len(queues))]
-    for thread in actor_threads:
-        thread.start()
+def actor_alone(algo, args, cfg, networks, replica_params, rollouts: int):
+    """The script's actor threads collecting `rollouts` rollouts each, fed the same parameters and nobody
+    training. Returns (steps/s after the first rollout, the first rollouts)."""
+    actors = algo.Actors(args, cfg, networks, start_update=0)
     try:
+        actors.start(replica_params)
         received, start = [], None
         for update in range(1, rollouts + 1):
-            for params_queue, _ in queues:
-                params_queue.put((on_device, update))
-            received.append([rollout_queue.get(timeout=600) for _, rollout_queue in queues])
+            received.append(actors.collect())
             if update == 1:
                 start = time.perf_counter()
+            actors.publish(replica_params, update + 1)
         elapsed = time.perf_counter() - start
     finally:
-        stop.set()
-        for thread in actor_threads:
-            thread.join(timeout=30)
-    steps = (rollouts - 1) * len(queues) * args.local_num_envs * args.num_steps
+        actors.stop.set()
+        actors.join(timeout=30)
+    if actors.failures:
+        raise RuntimeError(actors.failures[0][1])
+    steps = (rollouts - 1) * len(actors.threads) * args.local_num_envs * args.num_steps
     return steps / elapsed, received[0]
 
 
@@ -178,9 +179,8 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     cfg = algo.derive_config(args)
     spec = envpool.make_spec(args.env_id)
     networks = algo.make_networks(spec.observation_space.shape, spec.action_space.n)
-    state, _ = algo.init_train_state(args, cfg, networks, spec.observation_space)
-    state = algo.replicate(state, cfg)
-    replica_params = jax.device_put(algo.replica(state.params), cfg.actor_devices[0])
+    state, _, _ = algo.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    replica_params = algo.replica(state.params)
     num_threads = args.num_actor_threads
 
     env_sps = env_ceiling(algo, args, num_threads, seconds)
@@ -201,29 +201,58 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     states = [state]
 
     def update():
-        new_state, metrics, _ = update_fn(states[0], batch, 1)
-        jax.block_until_ready(metrics)
+        new_state, losses, *_ = update_fn(states[0], batch, 1)
+        jax.block_until_ready(losses)
         states[0] = new_state
 
     update_first, update_seconds = timed_calls(update, seconds, 3)
     batch_size = cfg.batch_size
     return dict(
-        batch_size=batch_size, env_sps=env_sps, actor_alone_sps=actor_sps, inference_seconds=inference_seconds,
-        update_seconds=update_seconds, compile_seconds=(update_first - update_seconds) + (policy_first - policy_call),
+        batch_size=batch_size,
+        env_sps=env_sps,
+        actor_alone_sps=actor_sps,
+        inference_seconds=inference_seconds,
+        update_seconds=update_seconds,
+        compile_seconds=(update_first - update_seconds) + (policy_first - policy_call),
         compute_sps_shared=batch_size / (inference_seconds + update_seconds),
-        compute_sps_split=batch_size / max(inference_seconds, update_seconds))
+        compute_sps_split=batch_size / max(inference_seconds, update_seconds),
+    )
 
 
-def run_training(algo_name: str, flags: list[str], updates: int, log_frequency: int, batch_size: int,
-                 concurrency: bool, learner_device: int, num_devices: int, timeout: float) -> dict:
+def run_training(
+    algo_name: str,
+    flags: list[str],
+    updates: int,
+    log_frequency: int,
+    batch_size: int,
+    concurrency: bool,
+    learner_device: int,
+    num_devices: int,
+    timeout: float,
+) -> dict:
     """Trains with the script in a subprocess; steady-state figures from its TensorBoard events."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if jax.default_backend() == "cpu" and num_devices > 1:  # simulated devices, as in the tests
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}".strip()
-    command = [sys.executable, os.path.join(REPO, "cleanba", f"cleanba_{algo_name}.py"), *flags,
-               "--total-timesteps", str(updates * batch_size), "--log-frequency", str(log_frequency),
-               "--actor-device-ids", "0", "--learner-device-ids", str(learner_device), "--run-name", "benchmark",
-               "--no-resume", "--checkpoint-interval", "0", "--concurrency" if concurrency else "--no-concurrency"]
+    command = [
+        sys.executable,
+        os.path.join(REPO, "cleanba", f"cleanba_{algo_name}.py"),
+        *flags,
+        "--total-timesteps",
+        str(updates * batch_size),
+        "--log-frequency",
+        str(log_frequency),
+        "--actor-device-ids",
+        "0",
+        "--learner-device-ids",
+        str(learner_device),
+        "--run-name",
+        "benchmark",
+        "--no-resume",
+        "--checkpoint-interval",
+        "0",
+        "--concurrency" if concurrency else "--no-concurrency",
+    ]
     with tempfile.TemporaryDirectory() as cwd:
         with open(os.path.join(cwd, "output.txt"), "w") as output:
             proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT)
@@ -249,9 +278,13 @@ def run_training(algo_name: str, flags: list[str], updates: int, log_frequency: 
         waits = [value for step, value, _ in scalars.get(tag, []) if step > (first_update + 1) * batch_size]
         return float(np.mean(waits)) / seconds_per_update if waits else 0.0
 
-    return dict(sps=batch_size / seconds_per_update, measured_updates=last_update - first_update,
-                learner_wait=mean_wait("stats/rollout_queue_get_time"),
-                actor_wait=mean_wait("stats/params_queue_get_time"), peak_rss_mb=peak_rss_kb / 1024)
+    return dict(
+        sps=batch_size / seconds_per_update,
+        measured_updates=last_update - first_update,
+        learner_wait=mean_wait("stats/rollout_queue_get_time"),
+        actor_wait=mean_wait("stats/params_queue_get_time"),
+        peak_rss_mb=peak_rss_kb / 1024,
+    )
 
 
 def memory_high_water_mark_kb(pid: int) -> int:
@@ -262,8 +295,9 @@ def memory_high_water_mark_kb(pid: int) -> int:
         return 0
 
 
-def measure_training(config_name: str, algo: str, parts: dict, layouts: list, backend: str, num_devices: int,
-                     timeout: float) -> list[dict]:
+def measure_training(
+    config_name: str, algo: str, parts: dict, layouts: list, backend: str, num_devices: int, timeout: float
+) -> list[dict]:
     """Both architectures in each layout; each run repeated as the configuration says, interleaved so that a
     slow spell of the machine hits both, and the median run kept."""
     config, results = CONFIGS[config_name], []
@@ -275,34 +309,61 @@ def measure_training(config_name: str, algo: str, parts: dict, layouts: list, ba
         runs = {"sync": [], "cleanba": []}
         for _ in range(config["repeats"]):
             for architecture, training_runs in runs.items():
-                training_runs.append(run_training(
-                    algo, config[algo], config["updates"][algo], config["log_frequency"][algo], parts["batch_size"],
-                    architecture == "cleanba", learner_device, num_devices, timeout))
+                training_runs.append(
+                    run_training(
+                        algo,
+                        config[algo],
+                        config["updates"][algo],
+                        config["log_frequency"][algo],
+                        parts["batch_size"],
+                        architecture == "cleanba",
+                        learner_device,
+                        num_devices,
+                        timeout,
+                    )
+                )
         for architecture, training_runs in runs.items():
             training = sorted(training_runs, key=lambda run: run["sps"])[len(training_runs) // 2]
             sps = training["sps"]
             # On a CPU, env stepping and compute share the cores: the rate if they took turns.
             turns_sps = 1 / (1 / parts["env_sps"] + 1 / compute_sps) if backend == "cpu" else None
-            results.append(dict(
-                config=config_name, algo=algo, layout=layout, architecture=architecture, **parts, **training,
-                sps_runs=[run["sps"] for run in training_runs], compute_sps=compute_sps, turns_sps=turns_sps,
-                train_over_env=sps / parts["env_sps"], train_over_compute=sps / compute_sps,
-                train_over_ceiling=sps / min(parts["env_sps"], compute_sps),
-                train_over_turns=sps / turns_sps if turns_sps else None))
+            results.append(
+                dict(
+                    config=config_name,
+                    algo=algo,
+                    layout=layout,
+                    architecture=architecture,
+                    **parts,
+                    **training,
+                    sps_runs=[run["sps"] for run in training_runs],
+                    compute_sps=compute_sps,
+                    turns_sps=turns_sps,
+                    train_over_env=sps / parts["env_sps"],
+                    train_over_compute=sps / compute_sps,
+                    train_over_ceiling=sps / min(parts["env_sps"], compute_sps),
+                    train_over_turns=sps / turns_sps if turns_sps else None,
+                )
+            )
             print(f"  {layout} {architecture:7s} {describe(results[-1])}", flush=True)
     return results
 
 
 def describe(r: dict) -> str:
     runs = f" (runs {min(r['sps_runs']):,.0f}-{max(r['sps_runs']):,.0f})" if len(r["sps_runs"]) > 1 else ""
-    return (f"{r['sps']:,.1f} steps/s{runs} = {r['train_over_ceiling']:.0%} of the smaller ceiling | learner "
-            f"waited {r['learner_wait']:.0%}, actors {r['actor_wait']:.0%} | peak RSS {r['peak_rss_mb']:,.0f} MB")
+    return (
+        f"{r['sps']:,.1f} steps/s{runs} = {r['train_over_ceiling']:.0%} of the smaller ceiling | learner "
+        f"waited {r['learner_wait']:.0%}, actors {r['actor_wait']:.0%} | peak RSS {r['peak_rss_mb']:,.0f} MB"
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
-                        help="configurations to measure (default: those meant for this platform)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        help="configurations to measure (default: those meant for this platform)",
+    )
     parser.add_argument("--algos", nargs="+", choices=["ppo", "impala"], default=["ppo", "impala"])
     parser.add_argument("--seconds", type=float, default=3.0, help="minimum duration of each isolated timing")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed to each training run")
@@ -314,34 +375,61 @@ def main():
     # A second device for the split layout: simulated on CPU (the training subprocess gets its own).
     num_devices = 2 if backend == "cpu" else len(jax.local_devices())
     layouts = [("a0-l0", 0)] + ([("a0-l1", 1)] if num_devices > 1 else [])
-    machine = dict(platform=backend, device=jax.devices()[0].device_kind, cpus=os.cpu_count(),
-                   processor=platform.processor() or platform.machine(), jax=jax.__version__,
-                   date=time.strftime("%Y-%m-%d"))
+    machine = dict(
+        platform=backend,
+        device=jax.devices()[0].device_kind,
+        cpus=os.cpu_count(),
+        processor=platform.processor() or platform.machine(),
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+    )
     print(f"machine: {machine}", flush=True)
     results = []
     for config_name in configs:
         for algo in args.algos:
             print(f"\n[{config_name} / {algo}] {' '.join(CONFIGS[config_name][algo])}", flush=True)
             parts = measure_parts(algo, CONFIGS[config_name][algo], args.seconds)
-            print(f"  env {parts['env_sps']:,.0f} steps/s | actor alone {parts['actor_alone_sps']:,.0f} steps/s | "
-                  f"inference {parts['inference_seconds'] * 1e3:,.1f} ms + update {parts['update_seconds'] * 1e3:,.1f} "
-                  f"ms per batch of {parts['batch_size']} | compile {parts['compile_seconds']:.1f} s", flush=True)
+            print(
+                f"  env {parts['env_sps']:,.0f} steps/s | actor alone {parts['actor_alone_sps']:,.0f} steps/s | "
+                f"inference {parts['inference_seconds'] * 1e3:,.1f} ms + update {parts['update_seconds'] * 1e3:,.1f} "
+                f"ms per batch of {parts['batch_size']} | compile {parts['compile_seconds']:.1f} s",
+                flush=True,
+            )
             results += measure_training(config_name, algo, parts, layouts, backend, num_devices, args.timeout)
     with open(args.out, "w") as f:
         json.dump(dict(machine=machine, results=results), f, indent=2)
 
-    print(f"\n{machine['device']} ({machine['platform']}), {machine['cpus']} CPUs, jax {machine['jax']}, "
-          f"{machine['date']}; figures in {args.out}")
-    header = ("config", "algo", "layout", "arch", "train SPS (runs)", "env SPS", "compute SPS", "train/env",
-              "train/compute", "train/min", "train/turns", "learner wait", "actor wait", "compile s", "peak RSS MB")
+    print(
+        f"\n{machine['device']} ({machine['platform']}), {machine['cpus']} CPUs, jax {machine['jax']}, "
+        f"{machine['date']}; figures in {args.out}"
+    )
+    header = (
+        "config",
+        "algo",
+        "layout",
+        "arch",
+        "train SPS (runs)",
+        "env SPS",
+        "compute SPS",
+        "train/env",
+        "train/compute",
+        "train/min",
+        "train/turns",
+        "learner wait",
+        "actor wait",
+        "compile s",
+        "peak RSS MB",
+    )
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in results:
         runs = f" ({min(r['sps_runs']):,.0f}-{max(r['sps_runs']):,.0f})" if len(r["sps_runs"]) > 1 else ""
         turns = f"{r['train_over_turns']:.2f}" if r["train_over_turns"] else "-"
-        print(f"| {r['config']} | {r['algo']} | {r['layout']} | {r['architecture']} | {r['sps']:,.0f}{runs} | "
-              f"{r['env_sps']:,.0f} | {r['compute_sps']:,.0f} | {r['train_over_env']:.2f} | "
-              f"{r['train_over_compute']:.2f} | {r['train_over_ceiling']:.2f} | {turns} | {r['learner_wait']:.0%} | "
-              f"{r['actor_wait']:.0%} | {r['compile_seconds']:.1f} | {r['peak_rss_mb']:,.0f} |")
+        print(
+            f"| {r['config']} | {r['algo']} | {r['layout']} | {r['architecture']} | {r['sps']:,.0f}{runs} | "
+            f"{r['env_sps']:,.0f} | {r['compute_sps']:,.0f} | {r['train_over_env']:.2f} | "
+            f"{r['train_over_compute']:.2f} | {r['train_over_ceiling']:.2f} | {turns} | {r['learner_wait']:.0%} | "
+            f"{r['actor_wait']:.0%} | {r['compile_seconds']:.1f} | {r['peak_rss_mb']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":
