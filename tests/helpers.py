@@ -1,12 +1,16 @@
 """Runs the training scripts as a user does (a subprocess with real flags) and reads back their logs."""
 
+import functools
 import glob
+import importlib.util
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,22 +25,19 @@ ALGOS = list(SCRIPTS)
 
 # Small, fast settings shared by the tests; each test adds what it is about. With the default 2 actor
 # threads, CARTPOLE has 8 envs of 32 steps: 256 per update.
-CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--log-frequency", "1"]
+CARTPOLE = "--env-id CartPole-v1 --local-num-envs 4 --num-steps 32 --log-frequency 1".split()
 # Breakout with 4 envs of 16 steps and 2 minibatches (PPO: along time, one epoch; IMPALA: along envs).
-BREAKOUT = {
-    "ppo": ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", "16",
-            "--num-minibatches", "2", "--update-epochs", "1", "--log-frequency", "1"],
-    "impala": ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", "16",
-               "--num-minibatches", "2", "--log-frequency", "1"],
-}
+BREAKOUT_FLAGS = "--env-id Breakout-v5 --local-num-envs 4 --num-actor-threads 1 --num-steps 16 --num-minibatches 2"
+BREAKOUT = {"ppo": [*BREAKOUT_FLAGS.split(), "--update-epochs", "1"], "impala": BREAKOUT_FLAGS.split()}
 # CartPole-v1 is solved (mean return >= 450 of a 500 cap) within these budgets, ~30 s each here: PPO 300k
-# steps; IMPALA 400k steps with 16 envs.
+# steps; IMPALA 400k steps with 16 envs. The README's quickstart and laptop grid use them.
 CARTPOLE_SOLVE = {
-    "ppo": ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "128",
-            "--learning-rate", "1e-3", "--clip-coef", "0.2", "--total-timesteps", "300000", "--log-frequency", "10"],
-    "impala": ["--env-id", "CartPole-v1", "--local-num-envs", "16", "--num-actor-threads", "1", "--num-steps", "20",
-               "--learning-rate", "1e-3", "--total-timesteps", "400000", "--log-frequency", "50"],
+    "ppo": "--env-id CartPole-v1 --local-num-envs 8 --num-actor-threads 1 --num-steps 128 --learning-rate 1e-3 "
+    "--clip-coef 0.2 --total-timesteps 300000 --log-frequency 10",
+    "impala": "--env-id CartPole-v1 --local-num-envs 16 --num-actor-threads 1 --num-steps 20 --learning-rate 1e-3 "
+    "--total-timesteps 400000 --log-frequency 50",
 }
+CARTPOLE_SOLVE = {algo: flags.split() for algo, flags in CARTPOLE_SOLVE.items()}
 
 
 def script_env(num_devices: int | None = None) -> dict:
@@ -46,17 +47,36 @@ def script_env(num_devices: int | None = None) -> dict:
     return env
 
 
-def run(cwd, *flags, algo="ppo", num_devices=None, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd,
-                          env=env or script_env(num_devices), capture_output=True, text=True, timeout=timeout)
+def command(algo: str, flags, shared_cache: bool) -> list[str]:
+    """The script's command line; with shared_cache, it uses the test session's compilation cache (conftest.py)
+    instead of its default one under runs/."""
+    cache = ["--compilation-cache-dir", os.environ["CLEANBA_TEST_COMPILATION_CACHE"]] if shared_cache else []
+    return [sys.executable, SCRIPTS[algo], *cache, *map(str, flags)]
+
+
+def run(cwd, *flags, algo="ppo", num_devices=None, env=None, timeout=300, shared_cache=True):
+    return subprocess.run(
+        command(algo, flags, shared_cache),
+        cwd=cwd,
+        env=env or script_env(num_devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def start(cwd, *flags, algo="ppo", num_devices=None, env=None) -> subprocess.Popen:
     """Starts the script in a session of its own (its id is the pid), so that session_processes() can tell
     whether it left any process behind."""
-    return subprocess.Popen([sys.executable, SCRIPTS[algo], *map(str, flags)], cwd=cwd,
-                            env=env or script_env(num_devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        command(algo, flags, shared_cache=True),
+        cwd=cwd,
+        env=env or script_env(num_devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def timed_output(proc: subprocess.Popen, timeout: float) -> list[tuple[float, str]]:
@@ -126,11 +146,17 @@ def run_processes(cwd, *flags, num_processes=2, algo="ppo", timeout=300) -> list
     """Runs the script as `num_processes` --distributed processes on localhost; returns their outputs
     once all have exited 0."""
     os.makedirs(cwd, exist_ok=True)
-    flags = [*flags, "--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}",
-             "--num-processes", num_processes]
+    flags = [
+        *flags,
+        "--distributed",
+        "--coordinator-address",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        num_processes,
+    ]
     procs = [start(cwd, *flags, "--process-id", rank, algo=algo) for rank in range(num_processes)]
     outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"process {rank} exited {proc.returncode}\n{output[-5000:]}"
     return outputs
 
@@ -145,15 +171,47 @@ def train(cwd, *flags, num_processes=1, **kwargs) -> str:
     return only_run(cwd)
 
 
+@functools.cache
 def load_module(path: str):
-    """Imports a script as a module (its main() only runs as __main__), for unit checks."""
-    import importlib.util
-
+    """Imports a script as a module (its main() only runs as __main__), once, for in-process checks. It is
+    registered in sys.modules, where tyro finds the source of Args's field docstrings."""
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[: -len(".py")], path)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def load_script(algo: str):
     return load_module(SCRIPTS[algo])
+
+
+def wait_for_updates(cwd, count, proc, timeout=120):
+    """Blocks until the run under cwd has `count` lines in updates.jsonl (a resumed run starts with the lines
+    it keeps); fails if the process exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        logs = glob.glob(os.path.join(str(cwd), "runs", "*", "updates.jsonl"))
+        if logs and sum(1 for _ in open(logs[0])) >= count:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"fewer than {count} updates after {timeout}s")
+
+
+class Run(NamedTuple):
+    """A finished run, read right after it ended (a later test may start it over)."""
+
+    path: str
+    output: str
+    config: dict  # config.json
+    records: list[dict]  # updates.jsonl
+    scalars: dict  # TensorBoard's scalars: {tag: [(step, value), ...]}
+
+
+def finished_run(cwd, output: str = "") -> Run:
+    path = only_run(cwd)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "updates.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return Run(path, output, config, records, read_scalars(path))

@@ -39,8 +39,11 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
 
 
 def missing_tools() -> list[str]:
-    return [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
-            if shutil.which(tool) is None]
+    return [
+        tool
+        for tool in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
+        if shutil.which(tool) is None
+    ]
 
 
 def free_port() -> int:
@@ -80,10 +83,18 @@ def slurm_cluster(root: str, cpus: int = 4):
     daemons = []
     try:
         for daemon in ("slurmctld", "slurmd"):
-            daemons.append(subprocess.Popen([daemon, "-D", "-f", conf], env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL))
-        wait_until(lambda: "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
-                                                    text=True).stdout, 60, "node not idle")
+            daemons.append(
+                subprocess.Popen(
+                    [daemon, "-D", "-f", conf], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+        wait_until(
+            lambda: (
+                "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+            ),
+            60,
+            "node not idle",
+        )
         yield env
     finally:
         subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True, timeout=30)

@@ -13,39 +13,44 @@ import pytest
 from helpers import REPO, load_module, read_scalars, run_dirs
 from slurm_cluster import missing_tools, slurm_cluster
 
-LAUNCH = [sys.executable, os.path.join(REPO, "cleanba", "launch.py")]
-AGGREGATE = [sys.executable, os.path.join(REPO, "cleanba", "aggregate.py")]
-SHORT_PPO = [sys.executable, os.path.join(REPO, "cleanba", "cleanba_ppo.py"), "--local-num-envs", "4",
-             "--num-actor-threads", "1", "--num-steps", "32", "--total-timesteps", "5120", "--log-frequency", "2"]
+SHORT_PPO = [sys.executable, os.path.join(REPO, "cleanba", "cleanba_ppo.py")]
+SHORT_PPO += "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
 aggregate = load_module(os.path.join(REPO, "cleanba", "aggregate.py"))
+
+
+def tool(name: str, cwd, *args: str, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """Runs cleanba/<name>.py in cwd with `args`: strings are split at spaces, lists (paths) taken as they are."""
+    args = [word for arg in args for word in (arg.split() if isinstance(arg, str) else arg)]
+    command = [sys.executable, os.path.join(REPO, "cleanba", f"{name}.py"), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     if missing_tools():
-        pytest.fail(f"the SLURM tests need {', '.join(missing_tools())}: apt-get install slurm-wlm munge "
-                    "(setup.sh does it when run as root); deselect them with -m 'not slurm'")
+        pytest.fail(
+            f"the SLURM tests need {', '.join(missing_tools())}: apt-get install slurm-wlm munge "
+            "(setup.sh does it when run as root); deselect them with -m 'not slurm'"
+        )
     with slurm_cluster(str(tmp_path_factory.mktemp("slurm"))) as env:
         yield env
 
 
 @pytest.fixture(scope="module")
 def local_grid(tmp_path_factory):
-    """A grid with more experiments than workers, one of which fails: 2 envs x 2 seeds + a bad env id."""
+    """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed."""
     cwd = tmp_path_factory.mktemp("grid")
-    result = subprocess.run([*LAUNCH, "--env-ids", "CartPole-v1", "Acrobot-v1", "NoSuchGame-v5", "--seeds", "1", "2",
-                             "--workers", "2", "--", *SHORT_PPO], cwd=cwd, capture_output=True, text=True, timeout=600)
-    return cwd, result
+    envs = "CartPole-v1 Acrobot-v1 MountainCar-v0 NoSuchGame-v5"
+    return cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", SHORT_PPO)
 
 
 @pytest.mark.slurm
 def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
-    grid = subprocess.run([*LAUNCH, "--slurm", "--wait", "--env-ids", "CartPole-v1", "Acrobot-v1", "--seeds", "1", "2", "3",
-                           "--max-parallel", "3", "--log-dir", "logs", "--", *SHORT_PPO],
-                          cwd=tmp_path, env=slurm, capture_output=True, text=True, timeout=600)
+    grid_flags = "--slurm --wait --env-ids CartPole-v1 Acrobot-v1 --seeds 1 2 --max-parallel 4 --log-dir logs --"
+    grid = tool("launch", tmp_path, grid_flags, SHORT_PPO, env=slurm)
     assert grid.returncode == 0, grid.stdout + grid.stderr
-    assert "6 of 6 experiments succeeded" in grid.stdout
-    expected = [(env_id, seed) for env_id in ("CartPole-v1", "Acrobot-v1") for seed in ("1", "2", "3")]
+    assert "4 of 4 experiments succeeded" in grid.stdout
+    expected = [(env_id, seed) for env_id in ("CartPole-v1", "Acrobot-v1") for seed in ("1", "2")]
     names = [tuple(os.path.basename(d).split("__")[0:3:2]) for d in run_dirs(tmp_path)]
     assert sorted(names) == sorted(expected)
     job_id = re.search(r"submitted array job (\d+)", grid.stdout).group(1)
@@ -53,16 +58,14 @@ def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
         with open(tmp_path / "logs" / f"cleanba_{job_id}_{task}.status") as f:
             assert f.read().split() == [env_id, seed, "0"]
     for run_dir in run_dirs(tmp_path):  # each task trained to the end, where the template says
-        assert [step for step, _ in read_scalars(run_dir)["stats/update"]][-1] == 5120
-    assert len([f for f in os.listdir(tmp_path / "logs") if f.endswith(".out")]) == 6
+        assert [step for step, _ in read_scalars(run_dir)["stats/update"]][-1] == 2560
+    assert len([f for f in os.listdir(tmp_path / "logs") if f.endswith(".out")]) == 4
 
-    distributed = subprocess.run([*LAUNCH, "--slurm", "--wait", "--job-name", "two-tasks", "--ntasks-per-node", "2",
-                                  "--env-ids", "CartPole-v1", "--seeds", "7", "--log-dir", "logs", "--", *SHORT_PPO,
-                                  "--distributed"], cwd=tmp_path, env=slurm, capture_output=True, text=True, timeout=600)
+    job_flags = "--slurm --wait --job-name two-tasks --ntasks-per-node 2 --env-ids CartPole-v1 --seeds 7 --log-dir logs"
+    distributed = tool("launch", tmp_path, job_flags, "--", SHORT_PPO, "--distributed", env=slurm)
     assert distributed.returncode == 0, distributed.stdout + distributed.stderr
     run_dir = [d for d in run_dirs(tmp_path) if "__7__" in d][0]
-    refused = subprocess.run([*LAUNCH, "--slurm", "--dry-run", "--ntasks-per-node", "2", "--env-ids", "CartPole-v1",
-                              "--", *SHORT_PPO], cwd=tmp_path, capture_output=True, text=True)
+    refused = tool("launch", tmp_path, "--slurm --dry-run --ntasks-per-node 2 --env-ids CartPole-v1 --", SHORT_PPO)
     assert refused.returncode == 2 and "--distributed" in refused.stderr
     with open(os.path.join(run_dir, "config.json")) as f:
         assert '"processes": 2' in f.read()  # one JAX process per SLURM task, found through srun's environment
@@ -70,20 +73,31 @@ def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
 
 @pytest.mark.slurm
 def test_slurm_failed_task_is_reported(tmp_path, slurm):
-    result = subprocess.run([*LAUNCH, "--slurm", "--wait", "--env-ids", "NoSuchGame-v5", "--seeds", "1",
-                             "--log-dir", "logs", "--", *SHORT_PPO], cwd=tmp_path, env=slurm, capture_output=True,
-                            text=True, timeout=300)
+    result = tool(
+        "launch",
+        tmp_path,
+        "--slurm --wait --env-ids NoSuchGame-v5 --seeds 1 --log-dir logs --",
+        SHORT_PPO,
+        env=slurm,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert "FAILED NoSuchGame-v5 seed 1: exit status 2" in result.stdout
 
 
 def test_slurm_dry_run_renders_the_template(tmp_path):
-    result = subprocess.run([*LAUNCH, "--slurm", "--dry-run", "--env-ids", "Breakout-v5", "Pong-v5", "--seeds", "1", "2",
-                             "3", "--gpus-per-task", "1", "--time", "2:00:00", "--", "python", "cleanba/cleanba_ppo.py"],
-                            cwd=tmp_path, capture_output=True, text=True)
+    flags = "--slurm --dry-run --env-ids Breakout-v5 Pong-v5 --seeds 1 2 3 --gpus-per-task 1 --time 2:00:00"
+    result = tool("launch", tmp_path, flags, "-- python cleanba/cleanba_ppo.py")
     assert result.returncode == 0 and "{{" not in result.stdout
-    for line in ["#SBATCH --array=0-5%100", "#SBATCH --gpus-per-task=1", "#SBATCH --time=2:00:00", "#SBATCH --requeue",
-                 'srun --cpus-per-task=1 python cleanba/cleanba_ppo.py --env-id "$ENV_ID" --seed "$SEED"', "ENV_IDS=(Breakout-v5 Pong-v5)"]:
+    expected = [
+        "#SBATCH --array=0-5%100",
+        "#SBATCH --gpus-per-task=1",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --requeue",
+        'srun --cpus-per-task=1 python cleanba/cleanba_ppo.py --env-id "$ENV_ID" --seed "$SEED"',
+        "ENV_IDS=(Breakout-v5 Pong-v5)",
+    ]
+    for line in expected:
         assert line in result.stdout
     assert not os.path.exists(tmp_path / "launch_logs")  # a dry run writes nothing
 
@@ -91,12 +105,11 @@ def test_slurm_dry_run_renders_the_template(tmp_path):
 def test_local_grid_bounds_concurrency_and_reports_failures(local_grid):
     cwd, result = local_grid
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "4 of 6 experiments succeeded" in result.stdout
-    assert "FAILED NoSuchGame-v5 seed 1" in result.stdout and "FAILED NoSuchGame-v5 seed 2" in result.stdout
+    assert "3 of 4 experiments succeeded" in result.stdout
+    assert "FAILED NoSuchGame-v5 seed 1" in result.stdout
     # Each run's active period, from its own files: config.json is written at start, updates.jsonl to the end.
-    periods = [(os.path.getmtime(os.path.join(d, "config.json")), os.path.getmtime(os.path.join(d, "updates.jsonl")))
-               for d in run_dirs(cwd)]
-    assert len(periods) == 4
+    periods = [(os.path.getmtime(f"{d}/config.json"), os.path.getmtime(f"{d}/updates.jsonl")) for d in run_dirs(cwd)]
+    assert len(periods) == 3
     for start, _ in periods:
         assert sum(s <= start < e for s, e in periods) <= 2  # never more than --workers at once
     assert any(s1 < e2 and s2 < e1 for (s1, e1), (s2, e2) in itertools.combinations(periods, 2))  # but in parallel
@@ -104,20 +117,18 @@ def test_local_grid_bounds_concurrency_and_reports_failures(local_grid):
 
 def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
     cwd, _ = local_grid
-    result = subprocess.run([*AGGREGATE, str(cwd / "runs"), "--out", str(tmp_path), "--bootstrap", "200"],
-                            capture_output=True, text=True, timeout=300)
+    result = tool("aggregate", tmp_path, [str(cwd / "runs"), "--out", str(tmp_path)], "--bootstrap 200")
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "scores.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted((r["env_id"], r["seed"]) for r in rows) == [("Acrobot-v1", "1"), ("Acrobot-v1", "2"),
-                                                               ("CartPole-v1", "1"), ("CartPole-v1", "2")]
+    assert sorted(r["env_id"] for r in rows) == ["Acrobot-v1", "CartPole-v1", "MountainCar-v0"]
     cartpole = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1"]
     assert all(9 <= score <= 500 for score in cartpole)
     with open(tmp_path / "aggregates.md") as f:
         table = f.read()
     median, low, high = map(float, re.search(r"\| ([-\d.e+]+) \[([-\d.e+]+), ([-\d.e+]+)\]", table).groups())
     assert low <= median <= high
-    for name in ["curves_CartPole-v1.png", "curves_Acrobot-v1.png", "aggregates.png"]:
+    for name in ["curves_CartPole-v1.png", "curves_MountainCar-v0.png", "aggregates.png"]:
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

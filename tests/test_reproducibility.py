@@ -1,132 +1,119 @@
-"""The reproducibility contract (DESIGN.md §4): the same seed and global hyperparameters give the same
-batches on any layout, and the same losses up to float reassociation in the learner's sums.
+"""The reproducibility contract (DESIGN.md §4): the same seed and global hyperparameters give the same batches on
+any layout, and the same losses up to float reassociation in the learner's sums.
 
-Each case trains twice with real subprocesses and compares the runs' per-update records
-(`updates.jsonl`: batch fingerprint and losses) with cleanba/compare_runs.py's logic.
+The runs are conftest.py's: each splits the same CartPole configuration (8 envs, 12 updates) over another
+layout. They are compared with cleanba/compare_runs.py's logic on their per-update records (`updates.jsonl`:
+batch fingerprint and losses). Tolerances (compare_runs.py), relative to each series' scale: 1e-5 for the value
+loss and entropy (measured ~1e-7); 1e-3 for the near-cancelling policy loss, approximate KL and gradient norm,
+and for the total loss, which contains the policy loss. See README, "Reproducibility".
 """
 
-import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from helpers import ALGOS, BREAKOUT, CARTPOLE, REPO, read_scalars, train
+from compare_runs import compare, within_tolerance
+from helpers import BREAKOUT, REPO, check, finished_run, run, run_processes
 
-from compare_runs import compare, load_run, within_tolerance
-
-# Losses may differ by float reassociation only (sums split over devices, actor batches of other
-# sizes). Tolerances (compare_runs.py), relative to each series' scale: 1e-5 for the value loss and
-# entropy (measured ~1e-7); 1e-3 for the policy loss and approximate KL, means of near-cancelling
-# terms, and for the total loss, which contains the policy loss (measured up to ~6e-5). See README,
-# "Reproducibility".
-COMPARED_UPDATES = 10
-
-# 8 environments in total, 12 updates; each layout below splits the same global configuration.
-CARTPOLE_8_ENVS = [*CARTPOLE, "--total-timesteps", 12 * 8 * 32]
-each_algo = pytest.mark.parametrize("algo", ALGOS)
+COMPARED_UPDATES, ATARI_UPDATES = 10, 5
 
 
-def assert_same_batches_close_losses(run_a, run_b, loss_updates=COMPARED_UPDATES):
-    updates_a, updates_b = load_run(run_a)[1], load_run(run_b)[1]
-    result = compare(updates_a, updates_b, COMPARED_UPDATES)
-    assert result["updates"] == COMPARED_UPDATES
+def assert_same_batches_close_losses(
+    records_a, records_b, batch_updates=COMPARED_UPDATES, loss_updates=COMPARED_UPDATES
+):
+    result = compare(records_a, records_b, batch_updates)
+    assert result["updates"] == batch_updates
     assert result["first_fingerprint_mismatch"] is None, result
-    for name, (difference, update) in compare(updates_a, updates_b, loss_updates)["max_relative_difference"].items():
+    differences = compare(records_a, records_b, loss_updates)["max_relative_difference"]
+    assert set(differences) >= {"loss", "policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"}
+    for name, (difference, update) in differences.items():
         assert within_tolerance(name, difference), f"{name} differs by {difference:.2e} at update {update}"
-    return result
 
 
-@each_algo
-def test_same_layout_twice_is_bitwise_identical(tmp_path, algo):
-    flags = [*CARTPOLE_8_ENVS, "--num-actor-threads", 2]
-    run_a, run_b = train(tmp_path / "a", *flags, algo=algo), train(tmp_path / "b", *flags, algo=algo)
-    assert load_run(run_a)[1] == load_run(run_b)[1]  # every fingerprint and loss, bit for bit
-    scalars_a, scalars_b = read_scalars(run_a), read_scalars(run_b)
-    for tag in ["charts/episodic_return", "charts/episodic_length", "losses/loss", "losses/policy_loss",
-                "losses/value_loss", "losses/entropy", "losses/approx_kl", "charts/learning_rate"]:
-        assert scalars_a[tag] == scalars_b[tag], tag
-    assert len({record["fingerprint"] for record in load_run(run_a)[1]}) == 12  # every batch is new data
+def test_same_layout_twice_is_bitwise_identical(sync_run, sync_rerun):
+    """The sync run started over (--no-resume) with its own compilation cache, now warm: every fingerprint, loss
+    and logged metric bit for bit, and the cache's compiled programs compute what a compilation does."""
+    _, rerun = sync_rerun
+    assert rerun.records == sync_run.records
+    for tag, series in sync_run.scalars.items():
+        if not tag.startswith("stats/") and tag != "charts/SPS":  # all but timings
+            assert rerun.scalars[tag] == series, tag
+    assert len({record["fingerprint"] for record in sync_run.records}) == 12  # every batch is new data
+    cache = os.path.join(os.path.dirname(sync_run.path), ".compilation_cache")  # the default: runs/.compilation_cache
+    assert len(os.listdir(cache)) >= 3
 
 
-@each_algo
-def test_one_vs_two_learner_devices(tmp_path, algo):
-    one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8,
-                "--actor-device-ids", 0, "--learner-device-ids", 0, num_devices=3, algo=algo)
-    two = train(tmp_path / "two", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8,
-                "--actor-device-ids", 0, "--learner-device-ids", 1, 2, num_devices=3, algo=algo)
-    assert load_run(two)[0]["layout"]["notation"] == "a0-l1,2-d1"
-    assert_same_batches_close_losses(one, two)
+def test_one_vs_two_actor_threads(sync_run, one_thread_run):
+    assert sync_run.config["layout"]["actor_threads_per_device"] == 2
+    assert_same_batches_close_losses(one_thread_run.records, sync_run.records)
 
 
-@each_algo
-def test_one_vs_two_actor_threads(tmp_path, algo):
-    one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8, algo=algo)
-    two = train(tmp_path / "two", *CARTPOLE_8_ENVS, "--num-actor-threads", 2, "--local-num-envs", 4, algo=algo)
-    assert_same_batches_close_losses(one, two)
+def test_one_vs_two_learner_devices(one_thread_run, two_learners_run):
+    assert two_learners_run.config["layout"]["notation"] == "a0-l1,2-d1"
+    assert_same_batches_close_losses(one_thread_run.records, two_learners_run.records)
 
 
-@each_algo
 @pytest.mark.slow
-def test_one_vs_two_processes(tmp_path, algo):
-    one = train(tmp_path / "one", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 8, algo=algo)
-    two = train(tmp_path / "two", *CARTPOLE_8_ENVS, "--num-actor-threads", 1, "--local-num-envs", 4,
-                num_processes=2, algo=algo)
-    assert load_run(two)[0]["layout"]["processes"] == 2
-    assert_same_batches_close_losses(one, two)
+def test_one_vs_two_processes(one_thread_run, two_processes_run):
+    assert two_processes_run.config["layout"]["processes"] == 2
+    assert "8 envs x 32 steps = 256 per update" in two_processes_run.output  # both processes' envs in one batch
+    assert_same_batches_close_losses(one_thread_run.records, two_processes_run.records)
 
 
-@each_algo
-@pytest.mark.slow
-def test_atari_one_vs_two_learner_devices(tmp_path, algo):
-    """Identical batches for 10 updates; losses within tolerance for the first 2: the first update from
-    the same parameters, and the next after one step from parameters that differ only by the first
-    update's reassociation. Before Breakout's first reward many gradient components are near-cancelling
-    sums, and the optimisers' early steps (Adam's m/sqrt(v) is about sign(g)) turn their reassociation
-    noise into lr-sized parameter differences, so from the third update the losses drift apart (by up to
-    ~2e-5 of their scale here) while the data stay the same."""
-    # The smallest batches that still split over 2 devices: PPO one env per device (minibatches split
-    # time), IMPALA 2 envs per device (its 2 minibatches split envs).
-    envs, steps = {"ppo": (2, 16), "impala": (4, 8)}[algo]
-    flags = [*BREAKOUT[algo], "--local-num-envs", envs, "--num-steps", steps,
-             "--total-timesteps", COMPARED_UPDATES * envs * steps]
-    one = train(tmp_path / "one", *flags, "--learner-device-ids", 0, num_devices=3, algo=algo)
-    two = train(tmp_path / "two", *flags, "--learner-device-ids", 1, 2, num_devices=3, algo=algo)
-    assert_same_batches_close_losses(one, two, loss_updates=2)
-
-
-@each_algo
-def test_cleanba_architecture_vs_synchronous(tmp_path, algo):
+def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
     """Both follow their version contract. From update 2 on, the Cleanba actor's policy is one version
     older, so the learner sees other behaviour log-probabilities and its losses differ at every update.
     Both actors sample with the same per-(env, step) keys, so while the two policies are still close
     they can pick the same actions; once the trajectories part they stay apart. compare_runs.py reports
     the difference and exits 1."""
-    cleanba = train(tmp_path / "cleanba", *CARTPOLE_8_ENVS, "--concurrency", algo=algo)
-    synchronous = train(tmp_path / "sync", *CARTPOLE_8_ENVS, "--no-concurrency", algo=algo)
-    records_cleanba, records_sync = load_run(cleanba)[1], load_run(synchronous)[1]
+    records_cleanba, records_sync = cleanba_run.records, sync_run.records
     assert [r["data_version"] for r in records_cleanba] == [1] + list(range(1, 12))
     assert [r["data_version"] for r in records_sync] == list(range(1, 13))
     assert records_cleanba[0] == records_sync[0]  # both learners start from p1's data
-    assert all(a["approx_kl"] != b["approx_kl"] and a["loss"] != b["loss"]
-               for a, b in zip(records_cleanba[1:], records_sync[1:]))
-    same_batches = [a["fingerprint"] == b["fingerprint"] for a, b in zip(records_cleanba, records_sync)]
+    for a, b in zip(records_cleanba[1:], records_sync[1:], strict=True):
+        assert a["losses"]["approx_kl"] != b["losses"]["approx_kl"] and a["losses"]["loss"] != b["losses"]["loss"]
+    same_batches = [a["fingerprint"] == b["fingerprint"] for a, b in zip(records_cleanba, records_sync, strict=True)]
     assert False in same_batches, "the two architectures collected the same trajectories throughout"
     first_difference = same_batches.index(False)
     assert not any(same_batches[first_difference:]), same_batches
 
-    tool = os.path.join(REPO, "cleanba", "compare_runs.py")
-    result = subprocess.run([sys.executable, tool, cleanba, synchronous], capture_output=True, text=True)
+    tool = [sys.executable, os.path.join(REPO, "cleanba", "compare_runs.py")]
+    result = subprocess.run([*tool, cleanba_run.path, sync_run.path], capture_output=True, text=True)
     assert result.returncode == 1 and "first differ at update" in result.stdout, result.stdout
-    result = subprocess.run([sys.executable, tool, cleanba, cleanba], capture_output=True, text=True)
+    result = subprocess.run([*tool, cleanba_run.path, cleanba_run.path], capture_output=True, text=True)
     assert result.returncode == 0 and "identical" in result.stdout, result.stdout
 
 
-@each_algo
-def test_layout_is_recorded(tmp_path, algo):
-    run_dir = train(tmp_path, *CARTPOLE, "--total-timesteps", 256, "--actor-device-ids", 1,
-                    "--learner-device-ids", 0, 2, num_devices=3, algo=algo)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        layout = json.load(f)["layout"]
-    assert layout["notation"] == "a1-l0,2-d1" and layout["processes"] == 1
-    assert layout["learner_devices"] == ["cpu:0", "cpu:2"] and layout["num_envs"] == 8
+@pytest.mark.slow
+def test_atari_layouts(tmp_path, algo):
+    """Breakout-v5 with the ResNet on three layouts of one configuration, all with the same actor threads: the
+    learner on one device, on two devices beside the actors' (a0-l1,2), and two processes (--distributed), one
+    actor thread each. (An actor's network evaluates the batch of one thread's envs, and a ResNet's output
+    depends by ~1e-6 on the batch size: so all layouts here act on the same batches.) Identical batches for 5
+    updates; losses within tolerance for the first 2: the first update from the same parameters, the next
+    after one step from parameters that differ only by the first update's reassociation. Before Breakout's
+    first reward many gradient components are near-cancelling sums, and the optimisers' early steps (Adam's
+    m/sqrt(v) is about sign(g)) turn their reassociation noise into lr-sized parameter differences, so from
+    the third update the losses drift apart (by up to ~2e-5 of their scale here) while the data stay the same."""
+    # The smallest batches that still split over 2 devices: PPO one env per device (minibatches split
+    # time), IMPALA 2 envs per device (its 2 minibatches split envs).
+    envs, steps = {"ppo": (2, 16), "impala": (4, 8)}[algo]
+    flags = [*BREAKOUT[algo], "--num-steps", steps, "--total-timesteps", ATARI_UPDATES * envs * steps]
+    flags += ["--local-num-envs", envs // 2]
+    layouts = {"one": (["--learner-device-ids", 0], 1), "two": (["--learner-device-ids", 1, 2], 3)}
+    outputs = {}
+    for name, (layout, num_devices) in layouts.items():
+        os.makedirs(tmp_path / name)
+        result = run(tmp_path / name, *flags, "--num-actor-threads", 2, *layout, num_devices=num_devices, algo=algo)
+        outputs[name] = check(result).stdout
+    outputs["processes"] = run_processes(tmp_path / "processes", *flags, algo=algo)[0]
+    for name, notation in [("one", "a0-l0-d1"), ("two", "a0-l1,2-d1"), ("processes", "a0-l0-d2")]:
+        assert f"layout {notation} " in outputs[name]
+    records = [finished_run(tmp_path / name).records for name in outputs]
+    for run_records in records:
+        assert [r["update"] for r in run_records] == list(range(1, ATARI_UPDATES + 1))
+        assert all(np.isfinite(list(r["losses"].values())).all() for r in run_records)
+    assert_same_batches_close_losses(records[0], records[1], batch_updates=ATARI_UPDATES, loss_updates=2)
+    assert_same_batches_close_losses(records[0], records[2], batch_updates=ATARI_UPDATES, loss_updates=2)

@@ -60,11 +60,16 @@ def test_on_policy_targets_by_hand():
 
 
 @pytest.mark.parametrize("rhos", [[2.0, 0.5, 1.0, 3.0, 0.25, 1.0], [0.1, 1.5, 0.7, 1.0, 4.0, 0.0]])
-@pytest.mark.parametrize("overrides", [{}, dict(vtrace_lambda=0.8), dict(clip_rho_threshold=2.0, clip_pg_rho_threshold=0.5)])
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(vtrace_lambda=0.8), dict(clip_rho_threshold=2.0, clip_pg_rho_threshold=0.5)]
+)
 def test_off_policy_targets_match_the_definition(rhos, overrides):
     vs, pg_advantages = targets(rhos, **overrides)
     expected_vs, expected_pg = reference_vtrace(
-        np.asarray(rhos), lambda_=overrides.get("vtrace_lambda", 1.0),
-        rho_bar=overrides.get("clip_rho_threshold", 1.0), pg_rho_bar=overrides.get("clip_pg_rho_threshold", 1.0))
+        np.asarray(rhos),
+        lambda_=overrides.get("vtrace_lambda", 1.0),
+        rho_bar=overrides.get("clip_rho_threshold", 1.0),
+        pg_rho_bar=overrides.get("clip_pg_rho_threshold", 1.0),
+    )
     np.testing.assert_allclose(vs, expected_vs, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(pg_advantages, expected_pg, rtol=1e-6, atol=1e-6)

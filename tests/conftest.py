@@ -1,0 +1,99 @@
+"""What the test files share: the algorithm parameter, the settings of every script the tests start, and the
+training runs that several tests read (each run once per test session, however many tests assert on it)."""
+
+import os
+
+import jax
+import pytest
+from helpers import ALGOS, CARTPOLE, Run, check, finished_run, run, run_processes, script_env
+
+# The tests' own process checks bad input and --help in-process, on three CPU devices like the layouts the
+# scripts run with in subprocesses (set before JAX starts its backend).
+jax.config.update("jax_num_cpu_devices", 3)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """Every script the tests start shares one persistent compilation cache (most compile the same programs),
+    small programs included: helpers.run and helpers.start pass it on. pytest-xdist's workers share it too."""
+    root = tmp_path_factory.getbasetemp()
+    cache = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "compilation-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["CLEANBA_TEST_COMPILATION_CACHE"] = str(cache)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+@pytest.fixture(scope="session", params=ALGOS)
+def algo(request) -> str:
+    return request.param
+
+
+SHARED_RUNS = {"sync_run", "sync_rerun", "cleanba_run", "one_thread_run", "two_learners_run", "two_processes_run"}
+
+
+def pytest_collection_modifyitems(items):
+    """With pytest-xdist (--dist loadgroup), the tests that read one algorithm's shared runs go to one worker,
+    which makes the runs once, and so do the tests of one module-scoped fixture."""
+    for item in items:
+        if SHARED_RUNS & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group(f"runs-{item.callspec.params['algo']}"))
+        elif "local_grid" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("local-grid"))
+
+
+# CartPole with 8 environments in all and 12 updates; each layout below splits the same global configuration.
+CARTPOLE_8_ENVS = [*CARTPOLE, "--total-timesteps", 12 * 8 * 32]
+SYNC_FLAGS = [*CARTPOLE_8_ENVS, "--no-concurrency", "--run-name", "sync", "--save-model", "--eval-episodes", 3]
+
+
+@pytest.fixture(scope="session")
+def sync_run(algo, tmp_path_factory) -> Run:
+    """2 actor threads x 4 envs, synchronous, named, with --save-model, and the default compilation cache (under
+    runs/ in its directory, not the tests' shared one)."""
+    cwd = tmp_path_factory.mktemp(f"sync-{algo}")
+    return finished_run(cwd, check(run(cwd, *SYNC_FLAGS, algo=algo, shared_cache=False)).stdout)
+
+
+@pytest.fixture(scope="session")
+def sync_rerun(algo, sync_run) -> tuple[str, Run]:
+    """The sync run's command again (it finds the run finished), then with --no-resume (it starts over)."""
+    cwd = os.path.dirname(os.path.dirname(sync_run.path))
+    again = check(run(cwd, *SYNC_FLAGS, algo=algo, shared_cache=False))
+    over = check(run(cwd, *SYNC_FLAGS, "--no-resume", algo=algo, shared_cache=False))
+    return again.stdout, finished_run(cwd, over.stdout)
+
+
+@pytest.fixture(scope="session")
+def cleanba_run(algo, tmp_path_factory) -> Run:
+    """The same with the Cleanba architecture, mirrored to W&B (offline)."""
+    cwd = tmp_path_factory.mktemp(f"cleanba-{algo}")
+    env = dict(script_env(), WANDB_MODE="offline", WANDB_DIR=str(cwd), WANDB_SILENT="true")
+    result = check(run(cwd, *CARTPOLE_8_ENVS, "--concurrency", "--track", env=env, algo=algo))
+    return finished_run(cwd, result.stdout)
+
+
+@pytest.fixture(scope="session")
+def one_thread_run(algo, tmp_path_factory) -> Run:
+    """Synchronous, 1 actor thread x 8 envs."""
+    cwd = tmp_path_factory.mktemp(f"one-thread-{algo}")
+    flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 8]
+    return finished_run(cwd, check(run(cwd, *flags, algo=algo)).stdout)
+
+
+@pytest.fixture(scope="session")
+def two_learners_run(algo, tmp_path_factory) -> Run:
+    """1 actor thread x 8 envs on device 0, the learner on devices 1 and 2."""
+    cwd = tmp_path_factory.mktemp(f"two-learners-{algo}")
+    flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 8]
+    layout = ["--actor-device-ids", 0, "--learner-device-ids", 1, 2]
+    return finished_run(cwd, check(run(cwd, *flags, *layout, num_devices=3, algo=algo)).stdout)
+
+
+@pytest.fixture(scope="session")
+def two_processes_run(algo, tmp_path_factory) -> Run:
+    """2 processes (--distributed on localhost) x 1 actor thread x 4 envs."""
+    cwd = tmp_path_factory.mktemp(f"two-processes-{algo}")
+    flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 4]
+    outputs = run_processes(cwd, *flags, algo=algo)
+    return finished_run(cwd, outputs[0])

@@ -1,0 +1,131 @@
+"""The scripts as code: what every field of Args is, what the two scripts share, and how they answer --help and
+bad input. These run in the test process itself (3 CPU devices, see conftest.py), plus one run per script as a
+user starts it."""
+
+import ast
+import dataclasses
+import os
+
+import pytest
+import tyro
+from helpers import SCRIPTS, load_script, run, run_dirs
+
+# What the two scripts do differently on purpose: their arguments and checks, the actor's policy and rollout,
+# the update and the optimiser. Everything else they define under the same name must stay identical.
+DIFFERENT_ON_PURPOSE = {
+    "Args",
+    "check_args",
+    "derive_config",
+    "make_policy",
+    "Actors.rollout",
+    "make_update",
+    "init_train_state",
+}
+
+
+def definitions(path: str) -> dict[str, str]:
+    """{name: source} of a script's top-level functions, classes and constants, and of each class's methods
+    (as Class.method); a class's own entry then holds its source without those methods."""
+    with open(path) as f:
+        source = f.read()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found[node.name] = ast.get_source_segment(source, node)
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef):
+                        method = ast.get_source_segment(source, item)
+                        found[f"{node.name}.{item.name}"] = method
+                        found[node.name] = found[node.name].replace(method, "")
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            found[ast.get_source_segment(source, node).split("=")[0].strip()] = ast.get_source_segment(source, node)
+    return found
+
+
+def test_shared_code_is_identical_in_both_scripts():
+    """Copy-and-modify must not turn into quiet divergence: whatever both scripts define under one name is the
+    same text, except what they do differently on purpose."""
+    ppo, impala = definitions(SCRIPTS["ppo"]), definitions(SCRIPTS["impala"])
+    assert DIFFERENT_ON_PURPOSE <= set(ppo) & set(impala)  # the list names nothing that is gone
+    shared = set(ppo) & set(impala)
+    assert len(shared) > 40, sorted(shared)
+    drifted = sorted(name for name in shared - DIFFERENT_ON_PURPOSE if ppo[name] != impala[name])
+    assert not drifted, f"shared code differs between the scripts: {drifted}"
+    assert set(ppo) ^ set(impala) == {"gae", "vtrace_targets"}  # each algorithm's own targets
+
+
+def test_every_field_is_algorithm_or_runtime(algo, tmp_path, monkeypatch):
+    """Each field of Args says whether it is part of what the run computes (hashed into the run name, checked
+    against a checkpoint on resume) or only of where it runs and how it logs; a new flag that says neither
+    fails here. A runtime flag leaves the run name alone, an algorithm flag changes it."""
+    script = load_script(algo)
+    kinds = {field.name: getattr(field.type, "__metadata__", ()) for field in dataclasses.fields(script.Args)}
+    unmarked = [name for name, kind in kinds.items() if kind not in {("algorithm",), ("runtime",)}]
+    assert not unmarked, f"fields of Args that are neither Algorithm[...] nor Runtime[...]: {unmarked}"
+    monkeypatch.chdir(tmp_path)
+
+    def run_name(*flags):
+        flags = ["--env-id", "CartPole-v1", "--compilation-cache-dir", "None", *map(str, flags)]
+        args = tyro.cli(script.Args, args=flags)
+        return script.start_up(args)[1]
+
+    assert run_name() == run_name("--log-frequency", 5, "--learner-device-ids", 1, 2, "--local-num-envs", 64)
+    assert run_name() != run_name("--learning-rate", 1e-3)
+    assert run_name() != run_name("--local-num-envs", 32)  # the global number of environments is algorithm
+    assert run_dirs(tmp_path) == []
+
+
+def test_help_lists_every_flag(algo, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        tyro.cli(load_script(algo).Args, args=["--help"])
+    assert exit_status.value.code == 0
+    help_text = capsys.readouterr().out
+    for field in dataclasses.fields(load_script(algo).Args):
+        assert f"--{field.name.replace('_', '-')}" in help_text, field.name
+
+
+BAD_INPUT = [
+    (["--local-num-envs", 3, "--num-actor-threads", 1, "--learner-device-ids", 1, 2], "--local-num-envs"),
+    (["--learner-device-ids", 0, 5], "--learner-device-ids"),
+    (["--actor-device-ids", 7], "--actor-device-ids"),
+    (["--env-id", "NoSuchGame-v5"], "--env-id"),
+    (["--env-id", "Pendulum-v1"], "--env-id"),
+    (["--total-timesteps", 1000], "--total-timesteps"),
+    (["--local-num-envs", 0], "--local-num-envs"),
+    (["--num-minibatches", -1], "--num-minibatches"),
+    (["--num-actor-threads", 0], "--num-actor-threads"),
+    (["--run-name", "../elsewhere"], "--run-name"),
+]
+ALGO_BAD_INPUT = {
+    "ppo": [
+        (["--num-steps", 10, "--num-minibatches", 3], "--num-minibatches"),
+        (["--update-epochs", 0], "--update-epochs"),
+    ],
+    "impala": [(["--local-num-envs", 6, "--num-actor-threads", 1, "--num-minibatches", 4], "--num-minibatches")],
+}
+
+
+def test_bad_input_is_refused(algo, tmp_path, monkeypatch, capsys):
+    """Every case: exit status 2, one line on stderr that starts with the flag at fault, no traceback, and
+    nothing created. Checked in-process; test_bad_input_as_a_user_sees_it runs one case as a user does."""
+    script = load_script(algo)
+    monkeypatch.chdir(tmp_path)
+    for flags, flag in BAD_INPUT + ALGO_BAD_INPUT[algo]:
+        flags = ["--env-id", "CartPole-v1", "--compilation-cache-dir", "None", *map(str, flags)]
+        with pytest.raises(SystemExit) as exit_status:
+            script.main(tyro.cli(script.Args, args=flags))
+        captured = capsys.readouterr()
+        assert exit_status.value.code == 2, (flags, captured.err)
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {flag} "), (flags, captured.err)
+        assert captured.out == "" and os.listdir(tmp_path) == [], flags
+
+
+def test_bad_input_as_a_user_sees_it(algo, tmp_path):
+    result = run(
+        tmp_path, "--env-id", "CartPole-v1", "--learner-device-ids", 0, 5, num_devices=3, timeout=60, algo=algo
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == ["error: --learner-device-ids [5] do not exist: there are 3 devices"]
+    assert "Traceback" not in result.stderr + result.stdout and run_dirs(tmp_path) == []
