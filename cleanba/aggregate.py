@@ -35,23 +35,63 @@ from events import read_scalars  # noqa: E402
 # Mnih et al. (2015), "Human-level control through deep reinforcement learning", with the games added by
 # Wang et al. (2016) and Badia et al. (2020, Agent57): (random, human).
 ATARI_REFERENCE_SCORES = {
-    "Alien": (227.8, 7127.7), "Amidar": (5.8, 1719.5), "Assault": (222.4, 742.0), "Asterix": (210.0, 8503.3),
-    "Asteroids": (719.1, 47388.7), "Atlantis": (12850.0, 29028.1), "BankHeist": (14.2, 753.1),
-    "BattleZone": (2360.0, 37187.5), "BeamRider": (363.9, 16926.5), "Berzerk": (123.7, 2630.4),
-    "Bowling": (23.1, 160.7), "Boxing": (0.1, 12.1), "Breakout": (1.7, 30.5), "Centipede": (2090.9, 12017.0),
-    "ChopperCommand": (811.0, 7387.8), "CrazyClimber": (10780.5, 35829.4), "Defender": (2874.5, 18688.9),
-    "DemonAttack": (152.1, 1971.0), "DoubleDunk": (-18.6, -16.4), "Enduro": (0.0, 860.5),
-    "FishingDerby": (-91.7, -38.7), "Freeway": (0.0, 29.6), "Frostbite": (65.2, 4334.7), "Gopher": (257.6, 2412.5),
-    "Gravitar": (173.0, 3351.4), "Hero": (1027.0, 30826.4), "IceHockey": (-11.2, 0.9), "Jamesbond": (29.0, 302.8),
-    "Kangaroo": (52.0, 3035.0), "Krull": (1598.0, 2665.5), "KungFuMaster": (258.5, 22736.3),
-    "MontezumaRevenge": (0.0, 4753.3), "MsPacman": (307.3, 6951.6), "NameThisGame": (2292.3, 8049.0),
-    "Phoenix": (761.4, 7242.6), "Pitfall": (-229.4, 6463.7), "Pong": (-20.7, 14.6), "PrivateEye": (24.9, 69571.3),
-    "Qbert": (163.9, 13455.0), "Riverraid": (1338.5, 17118.0), "RoadRunner": (11.5, 7845.0),
-    "Robotank": (2.2, 11.9), "Seaquest": (68.4, 42054.7), "Skiing": (-17098.1, -4336.9),
-    "Solaris": (1236.3, 12326.7), "SpaceInvaders": (148.0, 1668.7), "StarGunner": (664.0, 10250.0),
-    "Surround": (-10.0, 6.5), "Tennis": (-23.8, -8.3), "TimePilot": (3568.0, 5229.2), "Tutankham": (11.4, 167.6),
-    "UpNDown": (533.4, 11693.2), "Venture": (0.0, 1187.5), "VideoPinball": (16256.9, 17667.9),
-    "WizardOfWor": (563.5, 4756.5), "YarsRevenge": (3092.9, 54576.9), "Zaxxon": (32.5, 9173.3),
+    "Alien": (227.8, 7127.7),
+    "Amidar": (5.8, 1719.5),
+    "Assault": (222.4, 742.0),
+    "Asterix": (210.0, 8503.3),
+    "Asteroids": (719.1, 47388.7),
+    "Atlantis": (12850.0, 29028.1),
+    "BankHeist": (14.2, 753.1),
+    "BattleZone": (2360.0, 37187.5),
+    "BeamRider": (363.9, 16926.5),
+    "Berzerk": (123.7, 2630.4),
+    "Bowling": (23.1, 160.7),
+    "Boxing": (0.1, 12.1),
+    "Breakout": (1.7, 30.5),
+    "Centipede": (2090.9, 12017.0),
+    "ChopperCommand": (811.0, 7387.8),
+    "CrazyClimber": (10780.5, 35829.4),
+    "Defender": (2874.5, 18688.9),
+    "DemonAttack": (152.1, 1971.0),
+    "DoubleDunk": (-18.6, -16.4),
+    "Enduro": (0.0, 860.5),
+    "FishingDerby": (-91.7, -38.7),
+    "Freeway": (0.0, 29.6),
+    "Frostbite": (65.2, 4334.7),
+    "Gopher": (257.6, 2412.5),
+    "Gravitar": (173.0, 3351.4),
+    "Hero": (1027.0, 30826.4),
+    "IceHockey": (-11.2, 0.9),
+    "Jamesbond": (29.0, 302.8),
+    "Kangaroo": (52.0, 3035.0),
+    "Krull": (1598.0, 2665.5),
+    "KungFuMaster": (258.5, 22736.3),
+    "MontezumaRevenge": (0.0, 4753.3),
+    "MsPacman": (307.3, 6951.6),
+    "NameThisGame": (2292.3, 8049.0),
+    "Phoenix": (761.4, 7242.6),
+    "Pitfall": (-229.4, 6463.7),
+    "Pong": (-20.7, 14.6),
+    "PrivateEye": (24.9, 69571.3),
+    "Qbert": (163.9, 13455.0),
+    "Riverraid": (1338.5, 17118.0),
+    "RoadRunner": (11.5, 7845.0),
+    "Robotank": (2.2, 11.9),
+    "Seaquest": (68.4, 42054.7),
+    "Skiing": (-17098.1, -4336.9),
+    "Solaris": (1236.3, 12326.7),
+    "SpaceInvaders": (148.0, 1668.7),
+    "StarGunner": (664.0, 10250.0),
+    "Surround": (-10.0, 6.5),
+    "Tennis": (-23.8, -8.3),
+    "TimePilot": (3568.0, 5229.2),
+    "Tutankham": (11.4, 167.6),
+    "UpNDown": (533.4, 11693.2),
+    "Venture": (0.0, 1187.5),
+    "VideoPinball": (16256.9, 17667.9),
+    "WizardOfWor": (563.5, 4756.5),
+    "YarsRevenge": (3092.9, 54576.9),
+    "Zaxxon": (32.5, 9173.3),
 }
 
 
@@ -72,15 +112,16 @@ def interquartile_mean(scores) -> float:
     """Mean of the middle 50% of the scores (the lowest and highest 25% dropped, rounded down)."""
     scores = np.sort(np.asarray(scores, dtype=float))
     cut = int(len(scores) * 0.25)
-    return float(np.mean(scores[cut: len(scores) - cut]))
+    return float(np.mean(scores[cut : len(scores) - cut]))
 
 
 def aggregates(scores_by_game: dict[str, list[float]]) -> dict[str, float]:
     """Median and mean over games of the per-game mean score; IQM over all (game, seed) scores."""
     game_means = [np.mean(scores) for scores in scores_by_game.values()]
     every_score = [s for scores in scores_by_game.values() for s in scores]
-    return dict(median=float(np.median(game_means)), mean=float(np.mean(game_means)),
-                iqm=interquartile_mean(every_score))
+    return dict(
+        median=float(np.median(game_means)), mean=float(np.mean(game_means)), iqm=interquartile_mean(every_score)
+    )
 
 
 def stratified_bootstrap(scores_by_game: dict[str, list[float]], repetitions=2000, confidence=0.95, seed=0):
@@ -93,8 +134,10 @@ def stratified_bootstrap(scores_by_game: dict[str, list[float]], repetitions=200
         for name, value in aggregates(resample).items():
             samples[name].append(value)
     tail = 100 * (1 - confidence) / 2
-    return {name: (float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail)))
-            for name, values in samples.items()}
+    return {
+        name: (float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail)))
+        for name, values in samples.items()
+    }
 
 
 def load_runs(directories: list[str]) -> list[dict]:
@@ -106,8 +149,11 @@ def load_runs(directories: list[str]) -> list[dict]:
                 args = json.load(f)["args"]
             curve = read_scalars(run_dir, wall_time=True).get("charts/episodic_return", [])
             if curve:
-                runs.append(dict(run_dir=run_dir, method=args["exp_name"], env_id=args["env_id"],
-                                 seed=args["seed"], curve=curve))
+                runs.append(
+                    dict(
+                        run_dir=run_dir, method=args["exp_name"], env_id=args["env_id"], seed=args["seed"], curve=curve
+                    )
+                )
     return runs
 
 
@@ -136,7 +182,7 @@ def plot_curves(runs: list[dict], env_id: str, path: str):
         for axis, x_of in ((by_step, lambda c: [p[0] for p in c]), (by_time, lambda c: [p[2] - c[0][2] for p in c])):
             xs = [np.asarray(x_of(c), dtype=float) for c in curves]
             grid = np.linspace(max(x[0] for x in xs), min(x[-1] for x in xs), 100)  # where every seed has data
-            ys = [np.interp(grid, x, [p[1] for p in c]) for x, c in zip(xs, curves)]
+            ys = [np.interp(grid, x, [p[1] for p in c]) for x, c in zip(xs, curves, strict=True)]
             mean, low, high = mean_and_interval(ys)
             axis.plot(grid, mean, label=f"{method} ({len(curves)} seeds)")
             axis.fill_between(grid, low, high, alpha=0.2)
@@ -160,7 +206,7 @@ def plot_aggregates(summary: dict, path: str, label: str):
 
     methods = sorted(summary)
     fig, axes = plt.subplots(1, 3, figsize=(11, 1 + 0.5 * len(methods)), sharey=True)
-    for axis, name in zip(axes, ["median", "iqm", "mean"]):
+    for axis, name in zip(axes, ["median", "iqm", "mean"], strict=True):
         for row, method in enumerate(methods):
             point, (low, high) = summary[method]["point"][name], summary[method]["interval"][name]
             axis.barh(row, high - low, left=low, height=0.6, alpha=0.5)
@@ -202,8 +248,16 @@ def main():
     for run in runs:
         run["score"] = final_score(run["curve"], args.last_fraction)
         run["hns"] = human_normalized(run["env_id"], run["score"])
-        rows.append([run["method"], run["env_id"], run["seed"], run["curve"][-1][0], run["score"],
-                     "" if run["hns"] is None else run["hns"]])
+        rows.append(
+            [
+                run["method"],
+                run["env_id"],
+                run["seed"],
+                run["curve"][-1][0],
+                run["score"],
+                "" if run["hns"] is None else run["hns"],
+            ]
+        )
     write_table(os.path.join(args.out, "scores"), ["method", "env_id", "seed", "steps", "score", "hns"], rows)
 
     # Aggregates on HNS when every game has reference scores, on raw scores otherwise.
@@ -216,17 +270,32 @@ def main():
     for method, scores_by_game in sorted(by_method.items()):
         for env_id, scores in sorted(scores_by_game.items()):
             game_rows.append([method, env_id, len(scores), float(np.mean(scores)), float(np.std(scores))])
-        summary[method] = dict(point=aggregates(scores_by_game),
-                               interval=stratified_bootstrap(scores_by_game, args.bootstrap))
-    write_table(os.path.join(args.out, "games"), ["method", "env_id", "seeds", f"mean {label}", f"std {label}"],
-                game_rows)
-    write_table(os.path.join(args.out, "aggregates"),
-                ["method", "games", "runs", *[f"{name} {label} [95% CI]" for name in ("median", "iqm", "mean")]],
-                [[method, len(by_method[method]), sum(map(len, by_method[method].values())),
-                  *[f"{s['point'][n]:.4g} [{s['interval'][n][0]:.4g}, {s['interval'][n][1]:.4g}]"
-                    for n in ("median", "iqm", "mean")]] for method, s in summary.items()])
+        summary[method] = dict(
+            point=aggregates(scores_by_game), interval=stratified_bootstrap(scores_by_game, args.bootstrap)
+        )
+    write_table(
+        os.path.join(args.out, "games"), ["method", "env_id", "seeds", f"mean {label}", f"std {label}"], game_rows
+    )
+    write_table(
+        os.path.join(args.out, "aggregates"),
+        ["method", "games", "runs", *[f"{name} {label} [95% CI]" for name in ("median", "iqm", "mean")]],
+        [
+            [
+                method,
+                len(by_method[method]),
+                sum(map(len, by_method[method].values())),
+                *[
+                    f"{s['point'][n]:.4g} [{s['interval'][n][0]:.4g}, {s['interval'][n][1]:.4g}]"
+                    for n in ("median", "iqm", "mean")
+                ],
+            ]
+            for method, s in summary.items()
+        ],
+    )
     for env_id in sorted({run["env_id"] for run in runs}):
-        plot_curves([run for run in runs if run["env_id"] == env_id], env_id, os.path.join(args.out, f"curves_{env_id}.png"))
+        plot_curves(
+            [run for run in runs if run["env_id"] == env_id], env_id, os.path.join(args.out, f"curves_{env_id}.png")
+        )
     plot_aggregates(summary, os.path.join(args.out, "aggregates.png"), label)
     with open(os.path.join(args.out, "aggregates.md")) as f:
         print(f.read())

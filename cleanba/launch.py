@@ -51,7 +51,7 @@ def parse_args(argv):
     slurm.add_argument("--partition", default=None)
     slurm.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
     args = parser.parse_args(argv[:split])
-    args.command = argv[split + 1:]
+    args.command = argv[split + 1 :]
     problems = []
     if not args.command:
         problems.append("the command after `--` is empty")
@@ -59,8 +59,10 @@ def parse_args(argv):
         if getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')} must be positive")
     if args.slurm and args.nodes * args.ntasks_per_node > 1 and "--distributed" not in args.command:
-        problems.append("--nodes x --ntasks-per-node > 1 runs one process per task: the command needs --distributed, "
-                        "or the tasks would be independent copies of the same run")
+        problems.append(
+            "--nodes x --ntasks-per-node > 1 runs one process per task: the command needs --distributed, "
+            "or the tasks would be independent copies of the same run"
+        )
     if args.device_ids and len(args.device_ids) < args.workers:
         problems.append(f"--device-ids gives {len(args.device_ids)} devices for {args.workers} workers")
     if problems:
@@ -79,8 +81,8 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
     cores = sorted(os.sched_getaffinity(0))
     slots = []
     for i in range(args.workers):
-        slot_cores = cores[i::args.workers] or cores  # more workers than cores: they share
-        devices = args.device_ids[i::args.workers]
+        slot_cores = cores[i :: args.workers] or cores  # more workers than cores: they share
+        devices = args.device_ids[i :: args.workers]
         slots.append((set(slot_cores), devices))
     pending, running, results = list(experiments(args)), {}, []
     while pending or running:
@@ -94,8 +96,13 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             command = [*args.command, "--env-id", env_id, "--seed", str(seed)]
             with open(log_path, "w") as log:
-                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=lambda cores=slot_cores: os.sched_setaffinity(0, cores))
+                proc = subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    preexec_fn=lambda cores=slot_cores: os.sched_setaffinity(0, cores),
+                )
             running[slot] = (proc, env_id, seed, log_path)
             print(f"[slot {slot}] started {env_id} seed {seed}: {shlex.join(command)}", flush=True)
         for slot, (proc, env_id, seed, log_path) in list(running.items()):
@@ -110,15 +117,25 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
 def render(args) -> str:
     with open(TEMPLATE) as f:
         script = f.read()
-    directives = [f"#SBATCH --gpus-per-task={args.gpus_per_task}" if args.gpus_per_task else "",
-                  f"#SBATCH --partition={args.partition}" if args.partition else "",
-                  f"#SBATCH --time={args.time}" if args.time else ""]
+    directives = [
+        f"#SBATCH --gpus-per-task={args.gpus_per_task}" if args.gpus_per_task else "",
+        f"#SBATCH --partition={args.partition}" if args.partition else "",
+        f"#SBATCH --time={args.time}" if args.time else "",
+    ]
     values = dict(
-        job_name=args.job_name, last_task=len(experiments(args)) - 1, max_parallel=args.max_parallel,
-        nodes=args.nodes, ntasks_per_node=args.ntasks_per_node, cpus_per_task=args.cpus_per_task,
-        log_dir=os.path.abspath(args.log_dir), extra_directives="\n".join(d for d in directives if d),
-        env_ids=" ".join(map(shlex.quote, args.env_ids)), seeds=" ".join(map(str, args.seeds)),
-        workdir=shlex.quote(os.getcwd()), command=shlex.join(args.command))
+        job_name=args.job_name,
+        last_task=len(experiments(args)) - 1,
+        max_parallel=args.max_parallel,
+        nodes=args.nodes,
+        ntasks_per_node=args.ntasks_per_node,
+        cpus_per_task=args.cpus_per_task,
+        log_dir=os.path.abspath(args.log_dir),
+        extra_directives="\n".join(d for d in directives if d),
+        env_ids=" ".join(map(shlex.quote, args.env_ids)),
+        seeds=" ".join(map(str, args.seeds)),
+        workdir=shlex.quote(os.getcwd()),
+        command=shlex.join(args.command),
+    )
     for name, value in values.items():
         script = script.replace("{{" + name + "}}", str(value))
     return script
@@ -133,8 +150,9 @@ def submit(args) -> list[tuple[str, int, int, str]] | None:
     script_path = os.path.join(args.log_dir, f"{args.job_name}.sbatch")
     with open(script_path, "w") as f:
         f.write(script)
-    result = subprocess.run(["sbatch", "--parsable", *(["--wait"] if args.wait else []), script_path],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["sbatch", "--parsable", *(["--wait"] if args.wait else []), script_path], capture_output=True, text=True
+    )
     job_id = result.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         print(f"error: sbatch failed: {result.stderr.strip()}", file=sys.stderr)
