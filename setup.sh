@@ -1,18 +1,46 @@
 #!/usr/bin/env bash
-# One-time set-up (safe to run again): installs Poetry in .tools/ and the locked environment in .venv/.
+# One-time set-up (safe to run again): installs Poetry in .tools/ and the locked environment in .venv/, with
+# JAX's CUDA build on a machine with an NVIDIA GPU.
+#
+#   bash setup.sh              # set up (or bring .venv/ back to what the lock says)
+#   bash setup.sh --dry-run    # say which Python and which JAX build it would install, install nothing
+#
+# Environment: PYTHON picks the interpreter (3.11 to 3.14; by default python3, else the first of python3.11 to
+# python3.14 on PATH); CLEANBA_CUDA=12, 13 or none overrides the JAX build chosen from the NVIDIA driver.
 set -euo pipefail
 cd "$(dirname "$0")"
+dry_run=false
+case "${1:-}" in --dry-run) dry_run=true ;; "") ;; *) echo "setup.sh: unknown argument '$1' (only --dry-run)" >&2; exit 2 ;; esac
 
-# EnvPool 1.2.x, rlax and distrax need Python >= 3.11; an older Python would resolve an EnvPool that
-# does not import with current JAX, so refuse it here instead.
+# EnvPool 1.2.x, rlax and distrax need Python >= 3.11 (an older Python would resolve an EnvPool that does not
+# import with current JAX); JAX 0.10.2 and EnvPool publish wheels up to 3.14.
 python=""
-for candidate in python3.12 python3.11 python3; do
+for candidate in ${PYTHON:-python3 python3.11 python3.12 python3.13 python3.14}; do
   if command -v "$candidate" >/dev/null &&
-     "$candidate" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))'; then
+     "$candidate" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 14)))' 2>/dev/null; then
     python=$(command -v "$candidate"); break
   fi
 done
-[ -n "$python" ] || { echo "setup.sh: Cleanba needs Python 3.11 or 3.12 on PATH" >&2; exit 2; }
+[ -n "$python" ] || { echo "setup.sh: Cleanba needs Python 3.11 to 3.14 (PYTHON=${PYTHON:-unset})" >&2; exit 2; }
+
+# JAX's CUDA 13 build needs an NVIDIA driver >= 580, its CUDA 12 build >= 525 (JAX's installation guide).
+cuda=${CLEANBA_CUDA:-}
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)
+if [ -z "$cuda" ]; then
+  cuda=none
+  if [ -n "$driver" ] && [ "${driver%%.*}" -ge 580 ] 2>/dev/null; then cuda=13
+  elif [ -n "$driver" ] && [ "${driver%%.*}" -ge 525 ] 2>/dev/null; then cuda=12
+  elif [ -n "$driver" ]; then
+    echo "setup.sh: NVIDIA driver $driver is older than JAX's CUDA builds need (525); installing the CPU build" >&2
+  fi
+fi
+case "$cuda" in
+  12 | 13) extras=(--extras "cuda$cuda"); build="CUDA $cuda build" ;;
+  none) extras=(); build="CPU build" ;;
+  *) echo "setup.sh: CLEANBA_CUDA must be 12, 13 or none, got '$cuda'" >&2; exit 2 ;;
+esac
+echo "setup.sh: $("$python" --version) at $python; JAX's $build (NVIDIA driver: ${driver:-none}; CLEANBA_CUDA overrides)"
+if $dry_run; then exit 0; fi
 
 if [ ! -x .tools/bin/poetry ]; then
   "$python" -m venv .tools
@@ -38,5 +66,6 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
 fi
 
 .tools/bin/poetry env use --quiet "$python"
-.tools/bin/poetry install --no-interaction --quiet
-echo "setup.sh: environment ready in .venv/ (python: $(.venv/bin/python --version))"
+# sync, not install: it also removes what the lock does not ask for (a CUDA build, after CLEANBA_CUDA=none).
+.tools/bin/poetry sync --no-interaction --quiet ${extras[@]+"${extras[@]}"}
+echo "setup.sh: environment ready in .venv/ ($(.venv/bin/python --version), JAX's $build)"
