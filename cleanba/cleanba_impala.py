@@ -23,7 +23,9 @@ import hashlib
 import json
 import os
 import queue
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -136,6 +138,8 @@ class Args:
     """with --distributed outside SLURM: this process's rank"""
     heartbeat_timeout: Runtime[int] = 100
     """with --distributed: seconds after which the others give up on a process that died (they exit non-zero)"""
+    env_threads: Runtime[int] = 0
+    """EnvPool worker threads per actor thread; 0: an equal share of the CPUs this process may use, pinned to them"""
 
 
 class Config(NamedTuple):
@@ -165,6 +169,8 @@ def check_args(args: Args):
     for name in ["actor_device_ids", "learner_device_ids"]:
         if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    if args.env_threads < 0:
+        raise ConfigError(f"--env-threads must be >= 0 (0: automatic), got {args.env_threads}")
     if args.checkpoint_interval < 0 or not args.checkpoint_minutes > 0:
         raise ConfigError("--checkpoint-interval must be >= 0 and --checkpoint-minutes positive")
     if args.run_name is not None and (not args.run_name or "/" in args.run_name or args.run_name.startswith(".")):
@@ -181,6 +187,11 @@ def check_args(args: Args):
 
 def derive_config(args: Args) -> Config:
     """Checks that need the devices (after jax.distributed), and the derived sizes."""
+    # A GPU that JAX cannot use (its CPU build, or a CUDA plugin of another version) must not go unnoticed.
+    if jax.default_backend() == "cpu" and os.environ.get("JAX_PLATFORMS") != "cpu" and shutil.which("nvidia-smi"):
+        if "GPU" in subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout:
+            fix = "`bash setup.sh` installs JAX's CUDA build; JAX_PLATFORMS=cpu trains on the CPU"
+            raise ConfigError(f"this machine has an NVIDIA GPU but JAX sees only the CPU: {fix}")
     local_devices = jax.local_devices()
     for name in ["actor_device_ids", "learner_device_ids"]:
         if missing := [i for i in getattr(args, name) if i >= len(local_devices)]:
@@ -222,7 +233,19 @@ def env_seed(seed: int, env_index: int) -> int:
     return (seed * 2**20 + env_index) % 2**31
 
 
-def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int):
+def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
+    """EnvPool's threads for actor thread `pool` of this process: --env-threads, or an equal share of `cpus` (the CPUs
+    the process may use; EnvPool would start one per core of the machine for each pool), pinned to them when their
+    ids are consecutive (EnvPool pins its i-th thread to CPU thread_affinity_offset + i)."""
+    if args.env_threads:
+        return dict(num_threads=args.env_threads)
+    share = max(1, len(cpus) // (len(args.actor_device_ids) * args.num_actor_threads))
+    first = pool * share % len(cpus)
+    consecutive = cpus[first : first + share] == list(range(cpus[first], cpus[first] + share))
+    return dict(num_threads=share, thread_affinity_offset=cpus[first] if consecutive else -1)
+
+
+def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int, **threads):
     if env_id.endswith("-v5"):  # Atari: the evaluation protocol of Machado et al. (2018)
         return envpool.make(
             env_id,
@@ -235,8 +258,9 @@ def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int):
             noop_max=1,  # no no-op starts: sticky actions are the source of stochasticity
             max_episode_steps=108_000 // 4,  # 108,000 frames at frame skip 4
             reward_clip=True,  # the unclipped reward is in info["reward"] for logging
+            **threads,
         )
-    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=env_seed(seed, first_env_index))
+    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=env_seed(seed, first_env_index), **threads)
 
 
 class ResidualBlock(nn.Module):
@@ -393,7 +417,8 @@ class Actors:
         """One actor thread: a rollout per update, with the parameters the learner published for it."""
         args, num_envs = self.args, self.args.local_num_envs
         first_env_index = self.cfg.env_offset + thread_id * num_envs
-        envs = make_env(args.env_id, num_envs, first_env_index, args.seed)
+        threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
+        envs = make_env(args.env_id, num_envs, first_env_index, args.seed, **threads)
         env_ids = np.arange(first_env_index, first_env_index + num_envs)
         policy = make_policy(args, self.networks, env_ids)
         (obs, _), done = envs.reset(), np.zeros(num_envs, dtype=bool)
@@ -711,6 +736,8 @@ class RunDir:
         self.updates.writelines(kept)
         batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
         print(f"run {run_name}: {args.env_id}, {batch}; layout {notation} with {args.num_actor_threads} actor threads")
+        used = {*cfg.actor_devices, *cfg.local_learner_devices}  # the platform, so that a CPU run is never a surprise
+        print(f"devices: {len(used)} {jax.default_backend()} ({', '.join(sorted({d.device_kind for d in used}))})")
         if start_update:
             resumed = f"after update {start_update} (global step {start_update * cfg.batch_size:,})"
             print(f"resuming from {self.path}/checkpoint.msgpack {resumed}; environments restart their episodes")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import tyro
-from helpers import SCRIPTS, load_script, run, run_dirs
+from helpers import CARTPOLE, SCRIPTS, check, load_script, run, run_dirs, script_env
 
 # What the two scripts do differently on purpose: their arguments and checks, the actor's policy and rollout,
 # the update and the optimiser. Everything else they define under the same name must stay identical.
@@ -96,6 +96,7 @@ BAD_INPUT = [
     (["--num-minibatches", -1], "--num-minibatches"),
     (["--num-actor-threads", 0], "--num-actor-threads"),
     (["--run-name", "../elsewhere"], "--run-name"),
+    (["--env-threads", -1], "--env-threads"),
 ]
 ALGO_BAD_INPUT = {
     "ppo": [
@@ -129,3 +130,40 @@ def test_bad_input_as_a_user_sees_it(algo, tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == ["error: --learner-device-ids [5] do not exist: there are 3 devices"]
     assert "Traceback" not in result.stderr + result.stdout and run_dirs(tmp_path) == []
+
+
+def test_a_gpu_jax_cannot_see_is_refused(algo, tmp_path):
+    """On a machine with an NVIDIA GPU (here a stand-in nvidia-smi) and JAX's CPU build, the run stops before it
+    creates anything, with one line saying how to fix it; JAX_PLATFORMS=cpu says the CPU is wanted, and it runs."""
+    with open(tmp_path / "nvidia-smi", "w") as f:
+        f.write('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000)"\n')
+    os.chmod(tmp_path / "nvidia-smi", 0o755)
+    env = dict(script_env(), PATH=f"{tmp_path}:{os.environ['PATH']}")
+    env.pop("JAX_PLATFORMS", None)
+    flags = [*CARTPOLE, "--total-timesteps", 2 * 256]
+    refused = run(tmp_path, *flags, env=env, timeout=60, algo=algo)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "error: this machine has an NVIDIA GPU but JAX sees only the CPU: `bash setup.sh` installs JAX's CUDA "
+        "build; JAX_PLATFORMS=cpu trains on the CPU"
+    ]
+    assert run_dirs(tmp_path) == []
+    wanted = check(run(tmp_path, *flags, env=dict(env, JAX_PLATFORMS="cpu"), algo=algo))
+    assert "devices: 1 cpu (cpu)" in wanted.stdout and "update 2/2" in wanted.stdout
+
+
+def test_environment_threads_share_the_cpus(algo):
+    """Each actor thread's EnvPool gets an equal share of the CPUs the process may use, pinned to them when their
+    ids are consecutive; --env-threads sets the number instead (unpinned). EnvPool takes the settings."""
+    script = load_script(algo)
+    args = tyro.cli(script.Args, args=["--actor-device-ids", "0", "1"])  # 2 devices x 2 threads: 4 pools
+    assert [script.env_threads(args, pool, list(range(16))) for pool in range(4)] == [
+        dict(num_threads=4, thread_affinity_offset=offset) for offset in (0, 4, 8, 12)
+    ]
+    assert script.env_threads(args, 1, [0, 2, 4, 6, 8, 10, 12, 14]) == dict(num_threads=2, thread_affinity_offset=-1)
+    assert script.env_threads(args, 3, [5, 6]) == dict(num_threads=1, thread_affinity_offset=6)  # fewer CPUs: shared
+    assert script.env_threads(tyro.cli(script.Args, args=["--env-threads", "3"]), 0, list(range(16))) == dict(
+        num_threads=3
+    )
+    envs = script.make_env("CartPole-v1", 8, 0, 1, **script.env_threads(args, 1, list(range(16))))
+    assert envs.config["num_threads"] == 4 and envs.config["thread_affinity_offset"] == 4
