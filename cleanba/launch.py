@@ -10,8 +10,9 @@
 
 Each experiment runs the command after `--` with `--env-id ENV --seed SEED` appended. Locally, the
 experiments share the machine in `--workers` slots: a slot owns a fixed share of the CPU cores (and of
-`--device-ids`, exported as CUDA_VISIBLE_DEVICES), the next experiment starts when one finishes, and
-failed experiments are listed at the end (exit status 1). On SLURM, `--wait` waits for the array job
+`--device-ids`, exported as CUDA_VISIBLE_DEVICES; with more workers than GPUs, several share one GPU, each with
+its share of its memory), the next experiment starts when one finishes, and failed experiments are listed at
+the end (exit status 1). On SLURM, `--wait` waits for the array job
 and does the same from the tasks' status files. A tool: the training scripts never import it.
 """
 
@@ -37,7 +38,13 @@ def parse_args(argv):
     parser.add_argument("--log-dir", default="launch_logs", help="where each experiment's output goes (one per grid)")
     local = parser.add_argument_group("this machine")
     local.add_argument("--workers", type=int, default=1, help="experiments running at once")
-    local.add_argument("--device-ids", nargs="*", default=[], help="GPU ids to share out, one slice per worker")
+    local.add_argument(
+        "--device-ids",
+        nargs="*",
+        default=[],
+        help="GPU ids to share out: a slice per worker, or with more workers than GPUs, a GPU shared "
+        "by several (each then gets its share of the GPU's memory)",
+    )
     slurm = parser.add_argument_group("SLURM (--slurm)")
     slurm.add_argument("--slurm", action="store_true", help="submit an sbatch array job instead of running here")
     slurm.add_argument("--dry-run", action="store_true", help="print the rendered sbatch script, submit nothing")
@@ -63,8 +70,6 @@ def parse_args(argv):
             "--nodes x --ntasks-per-node > 1 runs one process per task: the command needs --distributed, "
             "or the tasks would be independent copies of the same run"
         )
-    if args.device_ids and len(args.device_ids) < args.workers:
-        problems.append(f"--device-ids gives {len(args.device_ids)} devices for {args.workers} workers")
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         sys.exit(2)
@@ -78,12 +83,15 @@ def experiments(args) -> list[tuple[str, int]]:
 def run_locally(args) -> list[tuple[str, int, int, str]]:
     """Runs every experiment in one of `workers` slots; returns (env id, seed, exit status, log) of each."""
     os.makedirs(args.log_dir, exist_ok=True)
-    cores = sorted(os.sched_getaffinity(0))
+    cores, gpus = sorted(os.sched_getaffinity(0)), args.device_ids
     slots = []
     for i in range(args.workers):
         slot_cores = cores[i :: args.workers] or cores  # more workers than cores: they share
-        devices = args.device_ids[i :: args.workers]
-        slots.append((set(slot_cores), devices))
+        if len(gpus) >= args.workers:
+            slot_gpus = gpus[i :: args.workers]
+        else:  # more workers than GPUs: they share them round-robin, one GPU each
+            slot_gpus = [gpus[i % len(gpus)]] if gpus else []
+        slots.append((set(slot_cores), slot_gpus))
     pending, running, results = list(experiments(args)), {}, []
     while pending or running:
         for slot, (slot_cores, devices) in enumerate(slots):
@@ -94,6 +102,11 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
             env = dict(os.environ)
             if devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            sharing = sum(other == devices for _, other in slots) if devices else 1
+            if sharing > 1:
+                # JAX reserves 75% of a GPU's memory at start-up: experiments sharing a GPU each reserve their share
+                # of 90% instead (the rest for CUDA's own allocations). A fraction the user set is kept.
+                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{int(90 / sharing) / 100:.2f}")
             command = [*args.command, "--env-id", env_id, "--seed", str(seed)]
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(
@@ -129,6 +142,7 @@ def render(args) -> str:
         nodes=args.nodes,
         ntasks_per_node=args.ntasks_per_node,
         cpus_per_task=args.cpus_per_task,
+        srun_gpus=f" --gpus-per-task={args.gpus_per_task}" if args.gpus_per_task else "",
         log_dir=os.path.abspath(args.log_dir),
         extra_directives="\n".join(d for d in directives if d),
         env_ids=" ".join(map(shlex.quote, args.env_ids)),

@@ -36,7 +36,7 @@ def slurm(tmp_path_factory):
         yield env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def local_grid(tmp_path_factory):
     """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed."""
     cwd = tmp_path_factory.mktemp("grid")
@@ -94,7 +94,7 @@ def test_slurm_dry_run_renders_the_template(tmp_path):
         "#SBATCH --gpus-per-task=1",
         "#SBATCH --time=2:00:00",
         "#SBATCH --requeue",
-        'srun --cpus-per-task=1 python cleanba/cleanba_ppo.py --env-id "$ENV_ID" --seed "$SEED"',
+        'srun --cpus-per-task=1 --gpus-per-task=1 python cleanba/cleanba_ppo.py --env-id "$ENV_ID" --seed "$SEED"',
         "ENV_IDS=(Breakout-v5 Pong-v5)",
     ]
     for line in expected:
@@ -113,6 +113,34 @@ def test_local_grid_bounds_concurrency_and_reports_failures(local_grid):
     for start, _ in periods:
         assert sum(s <= start < e for s, e in periods) <= 2  # never more than --workers at once
     assert any(s1 < e2 and s2 < e1 for (s1, e1), (s2, e2) in itertools.combinations(periods, 2))  # but in parallel
+
+
+@pytest.mark.parametrize("workers, gpus, fraction", [(4, "0 1", "0.45"), (3, "0", "0.30"), (2, "0 1", None)])
+def test_local_launcher_shares_gpus_and_their_memory(tmp_path, workers, gpus, fraction):
+    """Each experiment sees its GPU(s) through CUDA_VISIBLE_DEVICES; experiments sharing a GPU each reserve their
+    share of its memory (JAX would reserve 75% each), and a fraction the user set is kept."""
+    probe = [
+        sys.executable,
+        "-c",
+        "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))",
+    ]
+    flags = f"--env-ids A B C D --seeds 1 --workers {workers} --device-ids {gpus} --"
+    assert tool("launch", tmp_path, flags, probe).returncode == 0
+    seen = {}
+    for env_id in "ABCD":
+        with open(tmp_path / "launch_logs" / f"{env_id}__1.log") as f:
+            devices, memory = f.read().split()
+        seen[env_id] = devices, None if memory == "None" else memory
+    expected_gpus = {"0 1": ["0", "1", "0", "1"], "0": ["0"] * 4}[gpus] if workers > len(gpus.split()) else None
+    if expected_gpus:
+        assert [seen[env_id][0] for env_id in "ABCD"] == expected_gpus  # round-robin while slots are free in order
+    else:
+        assert {seen[env_id][0] for env_id in "ABCD"} == {"0", "1"}
+    assert {memory for _, memory in seen.values()} == {fraction}
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.2")
+    assert tool("launch", tmp_path, flags, probe, env=env).returncode == 0
+    with open(tmp_path / "launch_logs" / "A__1.log") as f:
+        assert f.read().split()[1] == "0.2"
 
 
 def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
