@@ -11,6 +11,11 @@
 #   ppo-atari57-8gpu         PPO on 8 GPUs per run: actors on 0 and 1, learner on 2..7 (a0,1-l2,3,4,5,6,7-d1)
 #   impala-atari57-8gpu      IMPALA on 8 GPUs per run, same layout
 #   impala-atari57-2nodes    IMPALA on 2 nodes x 4 GPUs per run (a0-l1,2,3-d2), --distributed under srun
+#   gpu-throughput           on this machine's GPU: the throughput benchmark at the paper's Atari defaults (PPO and
+#                            IMPALA, synchronous and Cleanba, a0-l0) against EnvPool alone on its cores (~8 min on
+#                            an H100); figures in results/gpu_throughput.json
+#   gpu-learning             on this machine's GPU: each script on Breakout-v5 with the paper's defaults for 3.5
+#                            minutes; steps/s and the return curve in results/gpu_learning/ (~8 min)
 #
 # The 8-GPU and 2-node grids use 120 environments (2 actor devices or 2 nodes x 2 threads x 30), which
 # split evenly over 6 learner devices (20 each, 5 per IMPALA minibatch); 128 would not.
@@ -68,6 +73,11 @@ case "$grid" in
       --gpus-per-task 4 --cpus-per-task 20 "$@" -- \
       $PYTHON cleanba/cleanba_impala.py --exp-name cleanba_impala_a0_l123_d2 --actor-device-ids 0 \
       --learner-device-ids 1 2 3 --local-num-envs 30 --distributed --track ;;
+  gpu-throughput)
+    mkdir -p results
+    $PYTHON tests/benchmarks/throughput.py --configs atari --out results/gpu_throughput.json "$@" ;;
+  gpu-learning)
+    $PYTHON tests/benchmarks/learning.py --env-id Breakout-v5 --minutes 3.5 --out results/gpu_learning "$@" ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
     [ -z "$grid" ] && exit 0 || { echo "unknown grid: $grid" >&2; exit 2; } ;;

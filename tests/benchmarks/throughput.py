@@ -5,7 +5,7 @@
 
 For each configuration (an environment and a batch shape) and each script, it measures:
 
-- env ceiling: EnvPool alone, the same environments in the same number of threads, random actions;
+- env ceiling: EnvPool alone, the same environments in the same actor threads (and EnvPool threads), random actions;
 - compute ceiling: the script's own jitted actor inference (every call of a rollout, every actor thread)
   and learner update, on a batch of the same shape, each timed alone after compilation; the sum of the two
   is the compute time of one batch where actor and learner share a device (on CPU they always share the
@@ -127,9 +127,13 @@ def in_threads(work, num_threads: int) -> float:
 
 
 def env_ceiling(algo, args, num_threads: int, seconds: float) -> float:
-    """Steps/s of EnvPool alone: the actor threads' pools stepped concurrently with random actions."""
+    """Steps/s of EnvPool alone: the actor threads' pools, with the script's thread settings, stepped concurrently
+    with random actions."""
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = [algo.env_threads(args, i, cpus) for i in range(num_threads)]
     pools = [
-        algo.make_env(args.env_id, args.local_num_envs, i * args.local_num_envs, args.seed) for i in range(num_threads)
+        algo.make_env(args.env_id, args.local_num_envs, i * args.local_num_envs, args.seed, **threads[i])
+        for i in range(num_threads)
     ]
     for pool in pools:
         pool.reset()
