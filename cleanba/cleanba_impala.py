@@ -10,16 +10,16 @@ The actor skips fetching parameters at iteration 2, so from then on the learner 
 version v-1 while the actor already collects the next batch; V-trace (Espeholt et al., 2018) corrects for that lag
 with the behaviour policy's log-probabilities recorded by the actor. `--no-concurrency` is the synchronous variant.
 
-Reproducibility: every environment has a global index g over (process, actor device, actor thread, env); it is
-seeded from (seed, g), actions are sampled with a key derived from (g, step), minibatches are a function of
-(seed, update, g), and statistics are taken over the global minibatch. So the same seed gives the same
-batches on 1 device or many, up to float reassociation in the learner's sums.
+Reproducibility: every environment has a global index g (over processes, actor devices, threads, envs); it is
+seeded from (seed, g), actions from (g, step), minibatches from (seed, update, g), and statistics are over the
+global minibatch. So the same seed gives the same batches on 1 device or many, up to float reassociation.
 """
 
 import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import os
 import queue
@@ -71,9 +71,7 @@ class Args:
     wandb_entity: Runtime[str | None] = None
     """the Weights & Biases entity (team); None uses your default"""
     save_model: Runtime[bool] = False
-    """save the final parameters and the config to the run directory, then evaluate the saved model"""
-    eval_episodes: Runtime[int] = 10
-    """episodes played by the saved model when --save-model is set"""
+    """save the final parameters to the run directory (cleanba/evaluate.py plays episodes with them)"""
     log_frequency: Runtime[int] = 10
     """log to TensorBoard and the console every this many updates"""
     run_name: Runtime[str | None] = None
@@ -88,7 +86,8 @@ class Args:
     """JAX's persistent compilation cache: a resumed or requeued run skips compiling what it compiled (None: off)"""
     # The algorithm's defaults are the paper's Atari settings.
     env_id: Algorithm[str] = "Breakout-v5"
-    """an EnvPool environment id: Atari `*-v5` ids use the ResNet, vector observations (CartPole-v1) an MLP"""
+    """an EnvPool id: frames (Atari `*-v5`) get the ResNet, vectors an MLP; discrete actions a categorical policy,
+    continuous ones (MuJoCo: HalfCheetah-v4) a diagonal Gaussian"""
     total_timesteps: Algorithm[int] = 50_000_000
     """total environment steps over all environments (agent steps, not Atari frames)"""
     learning_rate: Algorithm[float] = 6e-4
@@ -101,6 +100,10 @@ class Args:
     """steps per environment in each rollout (the V-trace unroll length)"""
     gamma: Algorithm[float] = 0.99
     """discount factor"""
+    norm_obs: Algorithm[bool | None] = None
+    """normalise observations by their running mean and std over all envs; None: on for continuous actions"""
+    norm_reward: Algorithm[bool | None] = None
+    """divide rewards by the running std of a discounted return; None: on for continuous actions"""
     vtrace_lambda: Algorithm[float] = 1.0
     """lambda of V-trace's truncated importance-weighted returns"""
     clip_rho_threshold: Algorithm[float] = 1.0
@@ -161,28 +164,26 @@ class ConfigError(ValueError):
 
 
 def check_args(args: Args):
-    """Checks that need no devices: run before jax.distributed starts."""
+    """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
     positive = "total_timesteps local_num_envs num_steps num_minibatches num_actor_threads log_frequency"
-    for name in [*positive.split(), "eval_episodes", "heartbeat_timeout"]:
-        if getattr(args, name) <= 0:
+    for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
+        if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ["checkpoint_interval", "env_threads"]:  # 0: none by count; automatic
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
         if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
-    if args.env_threads < 0:
-        raise ConfigError(f"--env-threads must be >= 0 (0: automatic), got {args.env_threads}")
-    if args.checkpoint_interval < 0 or not args.checkpoint_minutes > 0:
-        raise ConfigError("--checkpoint-interval must be >= 0 and --checkpoint-minutes positive")
     if args.run_name is not None and (not args.run_name or "/" in args.run_name or args.run_name.startswith(".")):
         raise ConfigError(f"--run-name {args.run_name!r} must be a plain directory name")
-    if not args.learning_rate > 0:
-        raise ConfigError(f"--learning-rate must be positive, got {args.learning_rate}")
     if not (0 <= args.gamma <= 1 and 0 <= args.vtrace_lambda <= 1):
         raise ConfigError("--gamma and --vtrace-lambda must lie in [0, 1]")
     if args.env_id not in envpool.list_all_envs():
         raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
-    if not hasattr(envpool.make_spec(args.env_id).action_space, "n"):
-        raise ConfigError(f"--env-id {args.env_id!r} has a continuous action space; IMPALA here needs discrete actions")
+    continuous = not hasattr(envpool.make_spec(args.env_id).action_space, "n")  # MuJoCo: normalisation matters
+    args.norm_obs = continuous if args.norm_obs is None else args.norm_obs
+    args.norm_reward = continuous if args.norm_reward is None else args.norm_reward
 
 
 def derive_config(args: Args) -> Config:
@@ -195,9 +196,7 @@ def derive_config(args: Args) -> Config:
     local_devices = jax.local_devices()
     for name in ["actor_device_ids", "learner_device_ids"]:
         if missing := [i for i in getattr(args, name) if i >= len(local_devices)]:
-            raise ConfigError(
-                f"--{name.replace('_', '-')} {missing} do not exist: there are {len(local_devices)} devices"
-            )
+            raise ConfigError(f"--{name.replace('_', '-')} {missing} do not exist: {len(local_devices)} devices here")
     world_size, rank = jax.process_count(), jax.process_index()
     envs_per_process = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
     if envs_per_process % len(args.learner_device_ids):
@@ -211,7 +210,8 @@ def derive_config(args: Args) -> Config:
         raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size} steps)")
     learners = [jax.local_devices(process_index=p)[i] for p in range(world_size) for i in args.learner_device_ids]
     actors, local_learners = (
-        [local_devices[i] for i in ids] for ids in (args.actor_device_ids, args.learner_device_ids)
+        [local_devices[i] for i in args.actor_device_ids],
+        [local_devices[i] for i in args.learner_device_ids],
     )
     num_updates, offset = args.total_timesteps // batch_size, rank * envs_per_process
     return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
@@ -223,20 +223,9 @@ def derive_config(args: Args) -> Config:
 ACTIONS, MINIBATCHES, INITIALISATION = 0, 1, 3  # fixed numbers: every result depends on them
 
 
-def stream_key(seed: int, stream: int):
-    return jax.random.fold_in(jax.random.key(seed), stream)
-
-
-def env_seed(seed: int, env_index: int) -> int:
-    """EnvPool seeds env i of a pool with (pool seed) + i: seeded with env_seed(seed, its first env's global index), a
-    pool gives env g the same seed wherever it runs. Each --seed has its own block of 2^20 env seeds (31-bit)."""
-    return (seed * 2**20 + env_index) % 2**31
-
-
 def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
-    """EnvPool's threads for actor thread `pool` of this process: --env-threads, or an equal share of `cpus` (the CPUs
-    the process may use; EnvPool would start one per core of the machine for each pool), pinned to them when their
-    ids are consecutive (EnvPool pins its i-th thread to CPU thread_affinity_offset + i)."""
+    """EnvPool's threads for actor thread `pool`: --env-threads, or an equal share of `cpus` (the process's; EnvPool
+    would start one per core of the machine in each pool), pinned when consecutive (its thread i: CPU offset + i)."""
     if args.env_threads:
         return dict(num_threads=args.env_threads)
     share = max(1, len(cpus) // (len(args.actor_device_ids) * args.num_actor_threads))
@@ -246,12 +235,15 @@ def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
 
 
 def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int, **threads):
+    # EnvPool seeds env i of a pool with (pool seed) + i, so env g gets the same seed wherever it runs; each --seed
+    # has its own block of 2^20 envs (EnvPool's seeds have 31 bits), so runs with seeds 1, 2, 3 share no env.
+    seed = (seed * 2**20 + first_env_index) % 2**31
     if env_id.endswith("-v5"):  # Atari: the evaluation protocol of Machado et al. (2018)
         return envpool.make(
             env_id,
             env_type="gym",
             num_envs=num_envs,
-            seed=env_seed(seed, first_env_index),
+            seed=seed,
             episodic_life=False,  # no life-loss signal
             repeat_action_probability=0.25,  # sticky actions
             full_action_space=True,
@@ -260,7 +252,7 @@ def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int, **thre
             reward_clip=True,  # the unclipped reward is in info["reward"] for logging
             **threads,
         )
-    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=env_seed(seed, first_env_index), **threads)
+    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=seed, **threads)
 
 
 class ResidualBlock(nn.Module):
@@ -309,12 +301,44 @@ class MLP(nn.Module):
         return tower(x), tower(x)
 
 
+class Categorical(NamedTuple):
+    logits: jax.Array
+
+    def sample(self, key):
+        return jax.random.categorical(key, self.logits)
+
+    def log_prob_and_entropy(self, action):
+        log_probs = jax.nn.log_softmax(self.logits)
+        log_prob = jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]
+        return log_prob, -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+class DiagonalGaussian(NamedTuple):
+    mean: jax.Array
+    log_std: jax.Array
+
+    def sample(self, key):
+        return self.mean + jnp.exp(self.log_std) * jax.random.normal(key, self.mean.shape)
+
+    def log_prob_and_entropy(self, action):
+        z = (action - self.mean) / jnp.exp(self.log_std)
+        log_prob = jnp.sum(-0.5 * jnp.square(z) - self.log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        return log_prob, jnp.sum(self.log_std + 0.5 * jnp.log(2 * jnp.pi * jnp.e), axis=-1)
+
+
 class Actor(nn.Module):
+    """The policy: a categorical over discrete actions, or a diagonal Gaussian with a state-independent log std."""
+
     num_actions: int
+    continuous: bool = False
 
     @nn.compact
     def __call__(self, hidden):
-        return nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(hidden)
+        out = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(hidden)
+        if not self.continuous:
+            return Categorical(out)
+        log_std = self.param("log_std", nn.initializers.zeros, out.shape[-1:])
+        return DiagonalGaussian(out, jnp.broadcast_to(log_std, out.shape))
 
 
 class Critic(nn.Module):
@@ -329,12 +353,19 @@ class Networks(NamedTuple):
     critic: nn.Module
 
 
-def make_networks(observation_shape, num_actions) -> Networks:
-    """The torso follows the observation: frames get the ResNet, vectors the MLP."""
-    return Networks(ResNet() if len(observation_shape) == 3 else MLP(), Actor(num_actions), Critic())
+def make_networks(observation_shape, action_space) -> Networks:
+    """The torso follows the observation (frames: the ResNet, vectors: the MLP), the policy head the action space."""
+    continuous = not hasattr(action_space, "n")
+    actor = Actor(action_space.shape[0] if continuous else action_space.n, continuous)
+    return Networks(ResNet() if len(observation_shape) == 3 else MLP(), actor, Critic())
 
 
 def forward(networks: Networks, params, obs):
+    """(Action distribution, value); with --norm-obs of observations normalised by params["obs_stats"], set by the
+    learner (not by gradients) and clipped to +-10 as in CleanRL's MuJoCo wrappers."""
+    if "obs_stats" in params:
+        stats = jax.lax.stop_gradient(params["obs_stats"])
+        obs = jnp.clip((obs - stats["mean"]) / jnp.sqrt(stats["var"] + 1e-8), -10.0, 10.0)
     policy_hidden, value_hidden = networks.torso.apply(params["torso"], obs)
     return networks.actor.apply(params["actor"], policy_hidden), networks.critic.apply(params["critic"], value_hidden)
 
@@ -370,16 +401,16 @@ class Rollout(NamedTuple):
 def make_policy(args: Args, networks: Networks, env_ids: np.ndarray):
     """The actor's jitted policy for the environments `env_ids`. It takes a learner replica's parameters (with a
     device axis of size 1) and a step counter kept on the device: per step, only observations in, actions out."""
-    action_key = stream_key(args.seed, ACTIONS)
+    action_key = jax.random.fold_in(jax.random.key(args.seed), ACTIONS)
 
     @jax.jit
     def policy(replica_params, obs, step):
-        logits, _ = forward(networks, jax.tree.map(lambda x: x[0], replica_params), obs)
+        dist, _ = forward(networks, jax.tree.map(lambda x: x[0], replica_params), obs)
         # One key per (environment, step): the sampled actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, step)
         keys = jax.vmap(lambda g: jax.random.fold_in(step_key, g))(env_ids)
-        action = jax.vmap(jax.random.categorical)(keys, logits)
-        logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
+        action = jax.vmap(lambda dist, key: dist.sample(key))(dist, keys)
+        logprob = dist.log_prob_and_entropy(action)[0]
         return action, logprob, step + 1
 
     return policy
@@ -399,6 +430,7 @@ class Actors:
                 name = f"actor-{device_index}-{thread_index}"
                 thread = threading.Thread(target=self.run, args=(thread_id, device, *queues), name=name, daemon=True)
                 self.threads.append((thread, device, *queues))
+                thread.start()  # it waits for the first parameters
 
     def run(self, *rollout_args):
         try:
@@ -408,8 +440,7 @@ class Actors:
         except BaseException:
             self.fail()
 
-    def fail(self):
-        """Records the exception being handled in the calling thread and stops every thread."""
+    def fail(self):  # records the exception this thread is handling, and stops every thread
         self.failures.append((threading.current_thread().name, traceback.format_exc()))
         self.stop.set()
 
@@ -423,6 +454,9 @@ class Actors:
         policy = make_policy(args, self.networks, env_ids)
         (obs, _), done = envs.reset(), np.zeros(num_envs, dtype=bool)
         episode_return, episode_length = np.zeros(num_envs, dtype=np.float32), np.zeros(num_envs, dtype=np.int32)
+        discounted_return = np.zeros(num_envs, dtype=np.float32)  # --norm-reward's statistic, each env's own
+        space = envs.action_space
+        to_env = (lambda a: a) if hasattr(space, "n") else (lambda a: np.clip(a, space.low, space.high))
         for update in range(self.start_update + 1, self.cfg.num_updates + 1):
             timings = {}
             if thread_id == 0 and fault_injected("actor", update):
@@ -436,7 +470,7 @@ class Actors:
             batch = dict(
                 # num_steps + 1 observations: the learner bootstraps from the value of the last one.
                 obs=np.zeros((args.num_steps + 1, *obs.shape), dtype=obs.dtype),
-                actions=np.zeros(shape, dtype=np.int32),
+                actions=np.zeros(shape + space.shape, dtype=np.int32 if hasattr(space, "n") else np.float32),
                 rewards=np.zeros(shape, dtype=np.float32),
                 terminations=np.zeros(shape, dtype=bool),
                 dones=np.zeros(shape, dtype=bool),
@@ -445,6 +479,7 @@ class Actors:
                 valid=np.zeros(shape, dtype=bool),
                 episode_returns=np.zeros(shape, dtype=np.float32),
                 episode_lengths=np.zeros(shape, dtype=np.int32),
+                discounted_returns=np.zeros(shape, dtype=np.float32),
             )
             logprobs = []  # the behaviour policy's, for V-trace's importance ratios; on the device until the end
             step = jax.device_put(np.int32((update - 1) * args.num_steps), device)
@@ -453,7 +488,7 @@ class Actors:
                     action, logprob, step = policy(params, obs, step)
                     action = np.asarray(action)  # the envs need it on the host
                 with timer(timings, "env_step_time"):
-                    next_obs, reward, terminated, truncated, info = envs.step(action)
+                    next_obs, reward, terminated, truncated, info = envs.step(to_env(action))
                 logprobs.append(logprob)
                 batch["obs"][t], batch["valid"][t] = obs, ~done
                 done = terminated | truncated
@@ -463,7 +498,9 @@ class Actors:
                 episode_length += batch["valid"][t]  # EnvPool's reset step is not part of either episode
                 batch["episode_returns"][t] = np.where(done, episode_return, 0.0)
                 batch["episode_lengths"][t] = np.where(done, episode_length, 0)
-                episode_return[done], episode_length[done] = 0.0, 0
+                discounted_return = discounted_return * args.gamma + reward
+                batch["discounted_returns"][t] = discounted_return
+                episode_return[done], episode_length[done], discounted_return[done] = 0.0, 0, 0.0
                 obs = next_obs
             batch["obs"][args.num_steps] = obs
             with timer(timings, "inference_time"):
@@ -471,13 +508,7 @@ class Actors:
             with timer(timings, "rollout_queue_put_time"):
                 self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
 
-    def start(self, replica_params):
-        for thread, *_ in self.threads:
-            thread.start()
-        self.publish(replica_params, self.start_update + 1)
-
-    def publish(self, replica_params, version: int):
-        """Puts the parameters on each actor device once for all its threads (nothing to copy on the learner's)."""
+    def publish(self, replica_params, version: int):  # once per actor device (the learner's: nothing to copy)
         on_device = {device: jax.device_put(replica_params, device) for device in self.cfg.actor_devices}
         for _, device, params_queue, _ in self.threads:
             self.blocking(params_queue.put, (on_device[device], version))
@@ -490,8 +521,7 @@ class Actors:
         for thread, *_ in self.threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
 
-    def blocking(self, queue_operation, *item):
-        """A queue's put or get, retried with a timeout until it succeeds or the run stops."""
+    def blocking(self, queue_operation, *item):  # a queue's put or get, retried until it succeeds or the run stops
         while not self.stop.is_set():
             with contextlib.suppress(queue.Full, queue.Empty):
                 return queue_operation(*item, timeout=1.0)
@@ -499,8 +529,7 @@ class Actors:
 
 
 def check_version_contract(rollouts: list[Rollout], update: int, first_update: int, concurrency: bool) -> int:
-    """The batch the learner at version `update` trains on comes from that version, or with concurrency from the
-    one before (the actor reuses the first parameters for a second batch, and stays one version behind)."""
+    """The learner at version `update` trains on data of that version, or with concurrency of the one before."""
     expected = update - 1 if concurrency and update > first_update else update
     if (versions := sorted({r.version for r in rollouts})) != [expected]:
         raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}, not {expected}")
@@ -508,9 +537,8 @@ def check_version_contract(rollouts: list[Rollout], update: int, first_update: i
 
 
 def batch_fingerprint(batch, env_ids):
-    """A 32-bit checksum of what the actors collected (observations, actions, rewards, episode ends). Each env's
-    column gets a position-weighted checksum, tied to its global index and mixed (MurmurHash3's finaliser); they
-    are added mod 2^32, which is exact and order-free: the fingerprint does not depend on the layout."""
+    """A 32-bit checksum of the batch (observations, actions, rewards, episode ends): per env a position-weighted,
+    mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact and order-free, so layout-free."""
 
     def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
         x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
@@ -527,6 +555,28 @@ def batch_fingerprint(batch, env_ids):
     return jax.lax.psum(jnp.sum(h, dtype=jnp.uint32), "devices")
 
 
+def running_stats(stats: dict, x, valid):
+    """Running mean and variance (Chan et al.) updated with the valid x (T, envs, ...) of all envs: layout-free."""
+    valid = valid.reshape(valid.shape + (1,) * (x.ndim - 2)).astype(jnp.float32)
+    count = jax.lax.psum(jnp.sum(valid), "devices")
+    mean = jax.lax.psum(jnp.sum(x * valid, axis=(0, 1)), "devices") / count
+    var = jax.lax.psum(jnp.sum(jnp.square(x - mean) * valid, axis=(0, 1)), "devices") / count
+    delta, total = mean - stats["mean"], stats["count"] + count
+    m2 = stats["var"] * stats["count"] + var * count + jnp.square(delta) * stats["count"] * count / total
+    return dict(mean=stats["mean"] + delta * count / total, var=m2 / total, count=total)
+
+
+def normalisation(params: dict, batch: dict):
+    """(Rewards, with --norm-reward / std of a discounted return clipped to +-10; the statistics after this batch)"""
+    rewards, stats = batch["rewards"], {}
+    if "return_stats" in params:
+        stats["return_stats"] = running_stats(params["return_stats"], batch["discounted_returns"], batch["valid"])
+        rewards = jnp.clip(rewards / jnp.sqrt(stats["return_stats"]["var"] + 1e-8), -10.0, 10.0)
+    if "obs_stats" in params:  # the observations acted on (not the final ones, which the reset steps hold)
+        stats["obs_stats"] = running_stats(params["obs_stats"], batch["obs"][: batch["valid"].shape[0]], batch["valid"])
+    return rewards, stats
+
+
 def episode_sums(batch):
     """Count, return sum and length sum of the episodes that ended in the batch, over all devices and processes."""
     ended = batch["dones"].astype(jnp.float32) * batch["valid"]
@@ -535,9 +585,8 @@ def episode_sums(batch):
 
 
 def vtrace_targets(args: Args, values, rewards, terminations, valid, rhos):
-    """V-trace (Espeholt et al., 2018) with rlax, for one env's unroll, time-major. values[t + 1] is the value after
-    step t: after a truncation, of the episode's final observation (the return bootstraps from it); a termination
-    zeroes the discount. EnvPool's reset step after an episode end is no transition: its ratio 0 stops the recursion."""
+    """V-trace (Espeholt et al., 2018) with rlax on one env's unroll. values[t + 1]: after a truncation, the value of
+    the episode's final observation; a termination zeroes the discount; a reset step's ratio 0 stops the recursion."""
     return rlax.vtrace_td_error_and_advantage(
         values[:-1],
         values[1:],
@@ -551,16 +600,13 @@ def vtrace_targets(args: Args, values, rewards, terminations, valid, rhos):
 
 
 def make_update(args: Args, cfg: Config, networks: Networks):
-    """The learner's update, data-parallel over the learner devices (pmap axis "devices"). Each device holds the
-    whole unrolls of a block of environments. Minibatches split the environment axis (V-trace needs whole
-    unrolls): the global envs form groups of num_minibatches consecutive indices, and a permutation seeded from
-    (seed, update, group) sends one env of each group to each minibatch. A device's block is made of whole groups,
-    so a minibatch's composition does not depend on the layout. Means are over the global minibatch."""
+    """The learner's update, data-parallel over the learner devices (pmap axis "devices"). Minibatches split the envs
+    (V-trace needs whole unrolls): a permutation seeded by (seed, update, group) sends one env of each group of M
+    consecutive envs to each minibatch, whatever device holds it (a device holds whole groups); means are global."""
     M = args.num_minibatches
-    minibatch_key = stream_key(args.seed, MINIBATCHES)
-    # XLA:CPU rewrites convolutions into its fast kernels' layout only in a program's entry computation (jax issue
-    # #12868): in a loop, the ResNet's gradient convolutions run ~10x slower. There the minibatch loop is unrolled
-    # (the same arithmetic, compiled longer); elsewhere a loop compiles once and runs as fast.
+    minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
+    # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
+    # loop the ResNet's gradient convolutions run ~10x slower, so there the minibatch loop is unrolled.
     unroll = cfg.learner_devices[0].platform == "cpu" and isinstance(networks.torso, ResNet)
 
     def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
@@ -574,17 +620,15 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
     def impala_loss(params, mb, count):
         steps_plus_one, num_envs = mb["obs"].shape[:2]
-        logits, values = forward(networks, params, mb["obs"].reshape(-1, *mb["obs"].shape[2:]))
-        logits, values = logits.reshape(steps_plus_one, num_envs, -1)[:-1], values.reshape(steps_plus_one, num_envs)
-        logprobs_all = jax.nn.log_softmax(logits)
-        new_logprobs = jnp.take_along_axis(logprobs_all, mb["actions"][..., None], axis=-1)[..., 0]
+        dist, values = forward(networks, params, mb["obs"].reshape(-1, *mb["obs"].shape[2:]))
+        dist, values = jax.tree.map(lambda x: x.reshape(steps_plus_one, num_envs, *x.shape[1:]), (dist, values))
+        new_logprobs, entropy = jax.tree.map(lambda x: x[:-1], dist).log_prob_and_entropy(mb["actions"])
         logratio = new_logprobs - mb["logprobs"]  # against the behaviour policy that collected the data
         rhos = jax.lax.stop_gradient(jnp.exp(logratio))
         targets = jax.vmap(functools.partial(vtrace_targets, args), in_axes=1, out_axes=1)
         vtrace = targets(values, mb["rewards"], mb["terminations"], mb["valid"], rhos)
         pg_loss = -new_logprobs * jax.lax.stop_gradient(vtrace.pg_advantage)
         v_loss = 0.5 * jnp.square(vtrace.errors)  # the targets carry no gradient (stop_target_gradients)
-        entropy = -jnp.sum(jnp.exp(logprobs_all) * logprobs_all, axis=-1)
         # Local sums over the global count: the psum of these gradients is the global mean's gradient.
         local_mean = lambda x: jnp.sum(x * mb["valid"]) / count  # noqa: E731
         pg_loss, v_loss, entropy = local_mean(pg_loss), local_mean(v_loss), local_mean(entropy)
@@ -593,10 +637,10 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         return loss, dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
 
     def update(state: TrainState, batch, update_index):
-        data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"], rewards=batch["rewards"])
+        rewards, stats = normalisation(state.params, batch)
+        data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"], rewards=rewards)
         data.update(terminations=batch["terminations"].astype(jnp.float32), valid=batch["valid"].astype(jnp.float32))
-        env_ids = batch["env_ids"]
-        groups = env_ids.reshape(-1, M)[:, 0] // M  # global index of each group of M consecutive envs
+        groups = (env_ids := batch["env_ids"]).reshape(-1, M)[:, 0] // M  # global index of each group of M envs
         update_key = jax.random.fold_in(minibatch_key, update_index)
         order = jax.vmap(lambda group: jax.random.permutation(jax.random.fold_in(update_key, group), M))(groups)
         minibatch_envs = (jnp.arange(groups.shape[0])[:, None] * M + order).T  # (M, envs per minibatch)
@@ -610,6 +654,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             return state.apply_gradients(grads=grads), losses
 
         state, losses = scan(minibatch, state, minibatch_envs)
+        state = state.replace(params={**state.params, **stats})
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch), batch_fingerprint(batch, env_ids)
 
     # The state is not donated: the actors keep using the parameters the learner just replaced.
@@ -666,15 +711,13 @@ def algorithm_config(args: Args, cfg: Config) -> dict:
 
 
 def start_up(args: Args) -> tuple[Config, str, dict | None]:
-    """Checks the arguments, joins the other processes (--distributed) and reads the checkpoint to resume, if any.
-    Bad input ends the run here, before anything is created: one line naming the flag, exit status 2."""
+    """Checks the arguments, joins the other processes, reads the checkpoint. Bad input: one line, exit 2."""
     try:
         check_args(args)
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         if args.distributed:
-            # The heartbeat timeout bounds how long the other processes wait when one of them dies. At the end,
-            # the others wait in JAX's shutdown barrier while process 0 evaluates a saved model.
+            # The others give up on a dead process after the heartbeat timeout; at the end, they wait for process 0.
             timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
             jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
         cfg = derive_config(args)
@@ -714,20 +757,18 @@ class RunDir:
         layout.update(actor_devices=[str(d) for d in cfg.actor_devices], platform=jax.default_backend())
         layout.update(learner_devices=[str(d) for d in cfg.learner_devices], num_envs=cfg.num_envs)
         layout.update(batch_size=cfg.batch_size, num_updates=cfg.num_updates)
-        if args.track:
-            import wandb  # only with --track: it takes a second to import
-
-            self.wandb = wandb
-            run = dict(name=run_name, id=hashlib.sha1(run_name.encode()).hexdigest()[:16], resume="allow")  # same id
+        if args.track:  # the run's W&B id follows from its name: a resumed run resumes its W&B run
+            self.wandb, run_id = importlib.import_module("wandb"), hashlib.sha1(run_name.encode()).hexdigest()[:16]
             project = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args))
-            wandb.init(**project, **run, sync_tensorboard=True, save_code=True)
+            self.wandb.init(**project, name=run_name, id=run_id, resume="allow", sync_tensorboard=True, save_code=True)
         # Resumed, the run hides what was logged after its checkpoint; started over (--no-resume), all it logged.
         purge_step = (start_update * cfg.batch_size + 1 if start_update else 0) if os.path.isdir(self.path) else None
         self.writer = SummaryWriter(self.path, purge_step=purge_step)
         table = "".join(f"|{k}|{v}|\n" for k, v in vars(args).items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
         with open(f"{self.path}/config.json", "w") as f:
-            json.dump(dict(args=dataclasses.asdict(args), layout=layout), f, indent=2)
+            json.dump(config, f, indent=2)
         kept = []  # a resumed run keeps the lines of the updates it resumes after
         if start_update and os.path.exists(f"{self.path}/updates.jsonl"):
             with open(f"{self.path}/updates.jsonl") as f:
@@ -735,7 +776,7 @@ class RunDir:
         self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
         self.updates.writelines(kept)
         batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
-        print(f"run {run_name}: {args.env_id}, {batch}; layout {notation} with {args.num_actor_threads} actor threads")
+        print(f"run {run_name}: {args.env_id}, {batch}; layout {notation}, actor threads: {args.num_actor_threads}")
         used = {*cfg.actor_devices, *cfg.local_learner_devices}  # the platform, so that a CPU run is never a surprise
         print(f"devices: {len(used)} {jax.default_backend()} ({', '.join(sorted({d.device_kind for d in used}))})")
         if start_update:
@@ -759,9 +800,8 @@ class RunDir:
         episodes, return_sum, length_sum = self.episodes
         self.episodes[:] = 0
         if episodes:
-            scalars.update(
-                {"charts/episodic_return": return_sum / episodes, "charts/episodic_length": length_sum / episodes}
-            )
+            scalars.update({"charts/episodic_return": return_sum / episodes})
+            scalars.update({"charts/episodic_length": length_sum / episodes})
         scalars.update({"stats/actor_policy_version": data_version, "stats/learner_policy_version": update})
         scalars.update({f"losses/{name}": value for name, value in record["losses"].items()})
         scalars.update({f"stats/{name}": seconds for name, seconds in {**actor_timings, **timings}.items()})
@@ -769,22 +809,13 @@ class RunDir:
             self.writer.add_scalar(tag, value, step)
         eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
         recent = f"{return_sum / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
-        waits = self.bottleneck(timings["rollout_queue_get_time"], actor_timings.get("params_queue_get_time", 0))
+        learner_wait, actor_wait = timings["rollout_queue_get_time"], actor_timings.get("params_queue_get_time", 0)
+        waits = f"waits: learner {learner_wait:.2f}s, actors {actor_wait:.2f}s"  # the side that waits more is faster
         progress = f"update {update}/{self.cfg.num_updates} | step {step:,} | SPS {sps:,} | return {recent}"
         print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")
 
-    @staticmethod
-    def bottleneck(learner_wait: float, actor_wait: float) -> str:
-        """The side that waits is not the bottleneck: the learner waits for data when the actors are slower."""
-        if learner_wait > 2 * actor_wait + 1e-3:  # waits under a millisecond are noise
-            return f"actors are the bottleneck (learner waited {learner_wait:.2f}s for data)"
-        if actor_wait > 2 * learner_wait + 1e-3:
-            return f"learner is the bottleneck (actors waited {actor_wait:.2f}s for parameters)"
-        return "actors and learner balanced"
-
     def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
-        """Every --checkpoint-interval updates or --checkpoint-minutes, and when the run stops. Written, flushed to
-        disk, then renamed: a reader sees the previous checkpoint or this one, never a partial file."""
+        """Written, flushed, then renamed (a reader never sees a partial file): when due, and when the run stops."""
         interval, minutes = self.args.checkpoint_interval, self.args.checkpoint_minutes
         due = (interval and update % interval == 0) or time.time() - self.last_checkpoint_time > 60 * minutes
         if if_due and not due:
@@ -802,29 +833,13 @@ class RunDir:
             os._exit(137)  # killed between the write and the rename
         os.replace(f"{self.path}/checkpoint.msgpack.tmp", f"{self.path}/checkpoint.msgpack")
 
-    def save_and_evaluate(self, networks: Networks, params):
-        """Saves the parameters, then plays --eval-episodes with the file's, logging the unclipped returns."""
-        args, model_path = self.args, f"{self.path}/{self.args.exp_name}.cleanba_model"
-        with open(model_path, "wb") as f:
+    def save_model(self, params):
+        """The parameters (normalisation statistics included); cleanba/evaluate.py plays episodes with them."""
+        with open(f"{self.path}/{self.args.exp_name}.cleanba_model", "wb") as f:
             f.write(flax.serialization.to_bytes(params))
-        print(f"model saved to {model_path}")
-        with open(model_path, "rb") as f:
-            params = flax.serialization.from_bytes(params, f.read())
-        env_index = 2**20 - 1  # the actors' policy, on an environment no training env shares an index with
-        envs, policy = (
-            make_env(args.env_id, 1, env_index, args.seed),
-            make_policy(args, networks, np.array([env_index])),
+        print(
+            f"model saved to {self.path}/{self.args.exp_name}.cleanba_model (evaluate: cleanba/evaluate.py {self.path})"
         )
-        params, (obs, _) = jax.tree.map(lambda x: x[None], params), envs.reset()  # with the policy's device axis
-        step, episode, episode_return = 0, 0, 0.0
-        while episode < args.eval_episodes:
-            action, *_, step = policy(params, obs, step)
-            obs, reward, terminated, truncated, info = envs.step(np.asarray(action))
-            episode_return += float(info.get("reward", reward)[0])
-            if terminated[0] or truncated[0]:
-                self.writer.add_scalar("eval/episodic_return", episode_return, episode)
-                print(f"eval episode {episode}: return {episode_return}")
-                episode, episode_return = episode + 1, 0.0
 
     def close(self, finished: bool):
         if self.active:
@@ -836,12 +851,20 @@ class RunDir:
 
 def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space, checkpoint: dict | None):
     """(Parameters from --seed or the checkpoint, and the optimiser, on the learner devices; start update; schedule)"""
-    torso_key, actor_key, critic_key = jax.random.split(stream_key(args.seed, INITIALISATION), 3)
+    torso_key, actor_key, critic_key = jax.random.split(
+        jax.random.fold_in(jax.random.key(args.seed), INITIALISATION), 3
+    )
     dummy_obs = np.zeros((1, *observation_space.shape), dtype=observation_space.dtype)
     torso_params = networks.torso.init(torso_key, dummy_obs)
     policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
     params = dict(torso=torso_params, actor=networks.actor.init(actor_key, policy_hidden))
     params.update(critic=networks.critic.init(critic_key, value_hidden))
+    stats = lambda shape: dict(mean=np.zeros(shape, np.float32), var=np.ones(shape, np.float32), count=np.float32(1e-4))  # noqa: E731
+    for name, shape, wanted in [
+        ("obs_stats", observation_space.shape, args.norm_obs),
+        ("return_stats", (), args.norm_reward),
+    ]:
+        params.update({name: stats(shape)} if wanted else {})
     gradient_steps = cfg.num_updates * args.num_minibatches
     schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
     rmsprop = optax.rmsprop(schedule, decay=args.rmsprop_decay, eps=args.rmsprop_eps)
@@ -854,9 +877,8 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
     return replicate(state, cfg), int(start_update), schedule
 
 
-def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: list, networks: Networks, state, update):
-    """Stops every thread and ends the run: exit status 1 after a failure (its traceback printed once), 128 + the
-    signal's number after a stop signal (with a checkpoint), 0 at the end (with the model, if asked for)."""
+def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: list, state: TrainState, update: int):
+    """Stops every thread and exits: 1 after a failure (its traceback once), 128 + signal after a stop signal."""
     actors.stop.set()
     if not actors.failures:  # first: the learner's state does not wait for the actors
         run_dir.checkpoint(state, update)
@@ -866,11 +888,12 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: li
     preempted = not actors.failures and update < cfg.num_updates
     if preempted and cfg.rank == 0:
         stopped_by = signal.Signals(signals[0]).name if signals else "another process"
-        checkpoint = f"checkpoint written to {run_dir.path}/checkpoint.msgpack"
-        print(f"stopped by {stopped_by} after update {update} (global step {update * cfg.batch_size:,}); {checkpoint}")
-        print("run the same command to resume")
+        print(
+            f"stopped by {stopped_by} after update {update} (global step {update * cfg.batch_size:,}); checkpoint "
+            f"written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
+        )
     if cfg.rank == 0 and args.save_model and not actors.failures and not preempted:
-        run_dir.save_and_evaluate(networks, to_host(state.params))
+        run_dir.save_model(to_host(state.params))
     run_dir.close(finished=not actors.failures and not preempted)
     if actors.failures and args.distributed:
         sys.stderr.flush()
@@ -888,7 +911,7 @@ def main(args: Args):
         other = "--no-resume starts it over, --run-name or --seed starts another"
         return print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({other})")
     spec = envpool.make_spec(args.env_id)
-    networks = make_networks(spec.observation_space.shape, spec.action_space.n)
+    networks = make_networks(spec.observation_space.shape, spec.action_space)
     state, start_update, schedule = init_train_state(args, cfg, networks, spec.observation_space, checkpoint)
     run_dir = RunDir(args, cfg, run_name, start_update, schedule)
     update_fn = make_update(args, cfg, networks)
@@ -898,7 +921,7 @@ def main(args: Args):
 
     update = start_update
     try:
-        actors.start(replica(state.params))
+        actors.publish(replica(state.params), start_update + 1)
         for update in range(start_update + 1, cfg.num_updates + 1):
             timings = {}
             with timer(timings, "rollout_queue_get_time"):
@@ -918,7 +941,7 @@ def main(args: Args):
         pass
     except BaseException:
         actors.fail()
-    finish(args, cfg, actors, run_dir, signals, networks, state, update)
+    finish(args, cfg, actors, run_dir, signals, state, update)
 
 
 if __name__ == "__main__":

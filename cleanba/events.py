@@ -7,19 +7,34 @@ A tool for tests and result scripts; the algorithm scripts never import it.
 
 import os
 import sys
+from typing import NamedTuple
 
 from tensorboard.backend.event_processing import event_accumulator
 
 
-def read_scalars(run_dir: str, wall_time: bool = False) -> dict[str, list[tuple]]:
-    """{tag: [(step, value), ...]} over every event file of the run directory, in the order written; with
-    wall_time, (step, value, unix time of the point). Every point is kept (TensorBoard's reader otherwise samples
-    10,000 per tag). A resumed run's points logged after the checkpoint it resumed from are dropped, as
-    TensorBoard shows them: the restart writes a purge marker at its first step (tensorboardX's purge_step)."""
+class Events(NamedTuple):
+    scalars: dict[str, list[tuple]]  # {tag: [(step, value, unix time), ...]}
+    started: float  # unix time of the run's first event: its TensorBoard writer's start, before compilation
+
+
+def read_events(run_dir: str) -> Events:
+    """The scalars of every event file of the run directory, in the order written. Every point is kept
+    (TensorBoard's reader otherwise samples 10,000 per tag). A resumed run's points logged after the checkpoint
+    it resumed from are dropped, as TensorBoard shows them: the restart writes a purge marker at its first step
+    (tensorboardX's purge_step)."""
     events = event_accumulator.EventAccumulator(run_dir, size_guidance={event_accumulator.SCALARS: 0})
     events.Reload()
-    point = (lambda e: (e.step, e.value, e.wall_time)) if wall_time else (lambda e: (e.step, e.value))
-    return {tag: [point(e) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    scalars = {tag: [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    try:
+        started = events.FirstEventTimestamp()
+    except ValueError:  # no event written yet
+        started = float("nan")
+    return Events(scalars, started)
+
+
+def read_scalars(run_dir: str, wall_time: bool = False) -> dict[str, list[tuple]]:
+    """{tag: [(step, value), ...]}, or with wall_time (step, value, unix time of the point)."""
+    return {tag: [p if wall_time else p[:2] for p in points] for tag, points in read_events(run_dir).scalars.items()}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,15 @@ def algo(request) -> str:
     return request.param
 
 
-SHARED_RUNS = {"sync_run", "sync_rerun", "cleanba_run", "one_thread_run", "two_learners_run", "two_processes_run"}
+SHARED_RUNS = {
+    "sync_run",
+    "sync_rerun",
+    "cleanba_run",
+    "one_thread_run",
+    "two_learners_run",
+    "two_processes_run",
+    "continuous_runs",
+}
 
 
 def pytest_collection_modifyitems(items):
@@ -44,7 +52,7 @@ def pytest_collection_modifyitems(items):
 
 # CartPole with 8 environments in all and 12 updates; each layout below splits the same global configuration.
 CARTPOLE_8_ENVS = [*CARTPOLE, "--total-timesteps", 12 * 8 * 32]
-SYNC_FLAGS = [*CARTPOLE_8_ENVS, "--no-concurrency", "--run-name", "sync", "--save-model", "--eval-episodes", 3]
+SYNC_FLAGS = [*CARTPOLE_8_ENVS, "--no-concurrency", "--run-name", "sync", "--save-model"]
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +105,24 @@ def two_processes_run(algo, tmp_path_factory) -> Run:
     flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 4]
     outputs = run_processes(cwd, *flags, algo=algo)
     return finished_run(cwd, outputs[0])
+
+
+# Continuous control: HalfCheetah-v4 (observations and rewards normalised by default), 8 envs, 2 updates, on three
+# layouts: 2 actor threads x 4 envs, 1 thread x 8, and 1 thread x 8 with the learner on devices 1 and 2.
+# One update: the layouts part from the second batch on (test_continuous_control_across_layouts says why).
+HALFCHEETAH_8_ENVS = "--env-id HalfCheetah-v4 --num-steps 32 --num-minibatches 4 --total-timesteps 256".split()
+CONTINUOUS_LAYOUTS = {
+    "two_threads": (["--num-actor-threads", 2, "--local-num-envs", 4], 1),
+    "one_thread": (["--num-actor-threads", 1, "--local-num-envs", 8], 1),
+    "two_learners": (["--num-actor-threads", 1, "--local-num-envs", 8, "--learner-device-ids", 1, 2], 3),
+}
+
+
+@pytest.fixture(scope="session")
+def continuous_runs(algo, tmp_path_factory) -> dict[str, Run]:
+    runs = {}
+    for name, (layout, num_devices) in CONTINUOUS_LAYOUTS.items():
+        cwd = tmp_path_factory.mktemp(f"continuous-{name}-{algo}")
+        result = run(cwd, *HALFCHEETAH_8_ENVS, "--no-concurrency", *layout, num_devices=num_devices, algo=algo)
+        runs[name] = finished_run(cwd, check(result).stdout)
+    return runs

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import NamedTuple
 
-import numpy as np
+import flax.serialization
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "cleanba"))
@@ -29,13 +29,14 @@ CARTPOLE = "--env-id CartPole-v1 --local-num-envs 4 --num-steps 32 --log-frequen
 # Breakout with 4 envs of 16 steps and 2 minibatches (PPO: along time, one epoch; IMPALA: along envs).
 BREAKOUT_FLAGS = "--env-id Breakout-v5 --local-num-envs 4 --num-actor-threads 1 --num-steps 16 --num-minibatches 2"
 BREAKOUT = {"ppo": [*BREAKOUT_FLAGS.split(), "--update-epochs", "1"], "impala": BREAKOUT_FLAGS.split()}
-# CartPole-v1 is solved (mean return >= 450 of a 500 cap) within these budgets, ~30 s each here: PPO 300k
-# steps; IMPALA 400k steps with 16 envs. The README's quickstart and laptop grid use them.
+# CartPole-v1 is solved (mean return >= 450 of a 500 cap) within these budgets, ~30-40 s each here: PPO 300k
+# steps; IMPALA 500k steps with 16 envs, gradient norms clipped at 10 and V-trace's lambda 0.95 (the settings
+# of benchmark.sh's laptop grid, which keep it from losing the task after solving it: see the README).
 CARTPOLE_SOLVE = {
     "ppo": "--env-id CartPole-v1 --local-num-envs 8 --num-actor-threads 1 --num-steps 128 --learning-rate 1e-3 "
     "--clip-coef 0.2 --total-timesteps 300000 --log-frequency 10",
     "impala": "--env-id CartPole-v1 --local-num-envs 16 --num-actor-threads 1 --num-steps 20 --learning-rate 1e-3 "
-    "--total-timesteps 400000 --log-frequency 50",
+    "--max-grad-norm 10 --vtrace-lambda 0.95 --total-timesteps 500000 --log-frequency 50",
 }
 CARTPOLE_SOLVE = {algo: flags.split() for algo, flags in CARTPOLE_SOLVE.items()}
 
@@ -128,14 +129,6 @@ def values(scalars, tag) -> list[float]:
     return [value for _, value in scalars[tag]]
 
 
-def solved_score(algo: str, returns: list[float]) -> float:
-    """What the CartPole budget must reach: PPO's mean return over its last 3 log intervals; IMPALA's best
-    log interval (each holds 20+ episodes). IMPALA here sometimes loses part of its performance after
-    solving (seen in about 1 of 3 runs at these settings, with or without a resume), so its final value
-    is not a stable criterion; the issue asks that it reaches 450 within the budget."""
-    return float(np.mean(returns[-3:])) if algo == "ppo" else max(returns)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,3 +208,8 @@ def finished_run(cwd, output: str = "") -> Run:
     with open(os.path.join(path, "updates.jsonl")) as f:
         records = [json.loads(line) for line in f]
     return Run(path, output, config, records, read_scalars(path))
+
+
+def load_checkpoint(run_dir) -> dict:
+    with open(os.path.join(run_dir, "checkpoint.msgpack"), "rb") as f:
+        return flax.serialization.msgpack_restore(f.read())

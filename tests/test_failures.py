@@ -15,6 +15,7 @@ import pytest
 from helpers import (
     CARTPOLE,
     free_port,
+    load_checkpoint,
     only_run,
     run_dirs,
     script_env,
@@ -31,11 +32,6 @@ LONG_CARTPOLE = [*CARTPOLE, "--total-timesteps", 2_000_000, "--log-frequency", 5
 def run_with_fault(cwd, fault, *flags, algo, timeout=90):
     proc = start(cwd, *flags, env=dict(script_env(), CLEANBA_FAULT=fault), algo=algo)
     return proc, proc.communicate(timeout=timeout)[0]  # a hang fails the test with TimeoutExpired
-
-
-def load_checkpoint(run_dir):
-    with open(os.path.join(run_dir, "checkpoint.msgpack"), "rb") as f:
-        return flax.serialization.msgpack_restore(f.read())
 
 
 @pytest.mark.parametrize("where", ["actor", "learner"])

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from compare_runs import compare, within_tolerance
-from helpers import BREAKOUT, REPO, check, finished_run, run, run_processes
+from helpers import BREAKOUT, REPO, check, finished_run, load_checkpoint, run, run_processes
 
 COMPARED_UPDATES, ATARI_UPDATES = 10, 5
 
@@ -117,3 +117,31 @@ def test_atari_layouts(tmp_path, algo):
         assert all(np.isfinite(list(r["losses"].values())).all() for r in run_records)
     assert_same_batches_close_losses(records[0], records[1], batch_updates=ATARI_UPDATES, loss_updates=2)
     assert_same_batches_close_losses(records[0], records[2], batch_updates=ATARI_UPDATES, loss_updates=2)
+
+
+def test_continuous_control_across_layouts(continuous_runs):
+    """HalfCheetah-v4 (a Gaussian policy; observations and rewards normalised by running statistics) in one
+    configuration on three layouts (conftest.py). The learner on 1 or 2 devices acts on the same batch (the same
+    parameters and per-(env, step) keys) and updates on it up to float reassociation. An actor thread of 4 envs
+    evaluates the network on a batch of another size than one of 8 (XLA's results differ in the last bit), so
+    its batch differs in the last bits of the actions, and its update agrees within the same tolerances. The
+    statistics are global (summed over devices and processes), so every layout ends with the same ones. A
+    second batch would part on every layout: a Gaussian sample moves with any change of its mean (a categorical
+    sample rarely does), and MuJoCo's dynamics amplify that."""
+    runs = continuous_runs
+    for layout in runs.values():
+        assert [record["data_version"] for record in layout.records] == [1]
+    assert runs["one_thread"].records[0]["fingerprint"] == runs["two_learners"].records[0]["fingerprint"]
+    reference = load_checkpoint(runs["one_thread"].path)["state"]["params"]
+    # Every env's every step (HalfCheetah's episodes last 1,000 steps: no reset step to leave out).
+    assert [round(float(reference[stats]["count"])) for stats in ("obs_stats", "return_stats")] == [8 * 32] * 2
+    for name in ("two_threads", "two_learners"):
+        differences = compare(runs["one_thread"].records, runs[name].records)["max_relative_difference"]
+        for series, (difference, _) in differences.items():
+            assert within_tolerance(series, difference), f"{name}: {series} differs by {difference:.2e}"
+        params = load_checkpoint(runs[name].path)["state"]["params"]
+        for stats in ("obs_stats", "return_stats"):
+            ours, theirs = params[stats], reference[stats]
+            shift = np.max(np.abs(ours["mean"] - theirs["mean"]) / np.sqrt(theirs["var"]))  # in standard deviations
+            assert ours["count"] == theirs["count"] and shift < 1e-4, f"{name}: {stats} mean moved {shift:.1e}"
+            np.testing.assert_allclose(ours["var"], theirs["var"], rtol=1e-4, err_msg=f"{name}: {stats}")

@@ -6,7 +6,11 @@ import ast
 import dataclasses
 import os
 
+import envpool
+import jax
+import numpy as np
 import pytest
+import scipy.stats
 import tyro
 from helpers import CARTPOLE, SCRIPTS, check, load_script, run, run_dirs, script_env
 
@@ -90,7 +94,6 @@ BAD_INPUT = [
     (["--learner-device-ids", 0, 5], "--learner-device-ids"),
     (["--actor-device-ids", 7], "--actor-device-ids"),
     (["--env-id", "NoSuchGame-v5"], "--env-id"),
-    (["--env-id", "Pendulum-v1"], "--env-id"),
     (["--total-timesteps", 1000], "--total-timesteps"),
     (["--local-num-envs", 0], "--local-num-envs"),
     (["--num-minibatches", -1], "--num-minibatches"),
@@ -128,7 +131,7 @@ def test_bad_input_as_a_user_sees_it(algo, tmp_path):
         tmp_path, "--env-id", "CartPole-v1", "--learner-device-ids", 0, 5, num_devices=3, timeout=60, algo=algo
     )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == ["error: --learner-device-ids [5] do not exist: there are 3 devices"]
+    assert result.stderr.strip().splitlines() == ["error: --learner-device-ids [5] do not exist: 3 devices here"]
     assert "Traceback" not in result.stderr + result.stdout and run_dirs(tmp_path) == []
 
 
@@ -167,3 +170,40 @@ def test_environment_threads_share_the_cpus(algo):
     )
     envs = script.make_env("CartPole-v1", 8, 0, 1, **script.env_threads(args, 1, list(range(16))))
     assert envs.config["num_threads"] == 4 and envs.config["thread_affinity_offset"] == 4
+
+
+def test_the_gaussian_head_is_a_diagonal_normal(algo):
+    script = load_script(algo)
+    mean, log_std, action = np.array([[0.3, -1.0]]), np.array([[0.1, -0.5]]), np.array([[1.0, 0.0]])
+    log_prob, entropy = script.DiagonalGaussian(mean, log_std).log_prob_and_entropy(action)
+    assert float(log_prob[0]) == pytest.approx(scipy.stats.norm.logpdf(action, mean, np.exp(log_std)).sum(), rel=1e-6)
+    assert float(entropy[0]) == pytest.approx(scipy.stats.norm.entropy(scale=np.exp(log_std)).sum(), rel=1e-6)
+    samples = script.DiagonalGaussian(np.full((20000, 2), 0.5), np.full((20000, 2), -1.0)).sample(jax.random.key(0))
+    assert np.mean(samples) == pytest.approx(0.5, abs=0.01) and np.std(samples) == pytest.approx(np.exp(-1.0), rel=0.02)
+
+
+def test_continuous_actions_are_stored_as_sampled(algo):
+    """The actor clips a Gaussian's sample to the action bounds only on its way to the environment: the batch holds
+    the sample itself (HalfCheetah's bounds are +-1; the initial policy's std is 1) and its log-probability under
+    the policy that sampled it, the observations normalised by the statistics that came with the parameters."""
+    script = load_script(algo)
+    flags = "--env-id HalfCheetah-v4 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --total-timesteps 64"
+    args = tyro.cli(script.Args, args=flags.split())
+    script.check_args(args)
+    cfg, spec = script.derive_config(args), envpool.make_spec(args.env_id)
+    networks = script.make_networks(spec.observation_space.shape, spec.action_space)
+    state, _, _ = script.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    params = script.to_host(state.params)
+    params["obs_stats"] = dict(mean=np.full(17, 0.5, np.float32), var=np.full(17, 4.0, np.float32), count=np.float32(9))
+    actors = script.Actors(args, cfg, networks, start_update=0)
+    try:
+        actors.publish(jax.tree.map(lambda x: x[None], params), 1)  # a replica: one device's shard
+        (rollout,) = actors.collect()
+    finally:
+        actors.stop.set()
+        actors.join(timeout=30)
+    actions = rollout.batch["actions"]
+    assert actions.shape == (8, 4, 6) and actions.dtype == np.float32 and np.abs(actions).max() > 1.5
+    dist, _ = script.forward(networks, params, rollout.batch["obs"][:8].reshape(32, 17))
+    log_prob, _ = dist.log_prob_and_entropy(actions.reshape(32, 6))
+    np.testing.assert_allclose(log_prob, rollout.batch["logprobs"].reshape(32), rtol=1e-5)

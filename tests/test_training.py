@@ -6,12 +6,25 @@ import glob
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import flax.serialization
 import numpy as np
 import pytest
-from helpers import CARTPOLE_SOLVE, only_run, read_scalars, solved_score, start, values, wait_for_updates
+from helpers import (
+    CARTPOLE_SOLVE,
+    REPO,
+    check,
+    load_checkpoint,
+    only_run,
+    read_scalars,
+    run,
+    start,
+    values,
+    wait_for_updates,
+)
 
 
 def test_cartpole_learns_and_resumes_after_sigterm(tmp_path, algo):
@@ -28,8 +41,7 @@ def test_cartpole_learns_and_resumes_after_sigterm(tmp_path, algo):
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by SIGTERM after update" in output and "run the same command to resume" in output
     run_dir = only_run(tmp_path)
-    with open(os.path.join(run_dir, "checkpoint.msgpack"), "rb") as f:
-        interrupted = flax.serialization.msgpack_restore(f.read())["update"]
+    interrupted = load_checkpoint(run_dir)["update"]
     assert interrupted >= 120
 
     proc = start(tmp_path, *flags, algo=algo)  # the same command
@@ -57,15 +69,19 @@ def test_cartpole_learns_and_resumes_after_sigterm(tmp_path, algo):
     returns = scalars["charts/episodic_return"]
     assert returns[0][1] < 100, returns  # it learned: the first episodes were far from solved
     after_resume = [r for step, r in returns if step > interrupted * batch_size]
-    assert solved_score(algo, after_resume) >= 450, after_resume
+    # Solved at the end: the mean of the last 3 log intervals (20+ episodes each). IMPALA's final intervals
+    # depend on when SIGTERM restarted its pipeline (timing), so it must reach 450 and end at 400 or more;
+    # the collapse that the old settings showed ended at ~200 (see the README's results).
+    final = np.mean(after_resume[-3:])
+    assert (final >= 450) if algo == "ppo" else (max(after_resume) >= 450 and final >= 400), after_resume
 
 
 def test_version_contract(sync_run, cleanba_run):
     """Read back from the events: the data of update u comes from policy max(1, u-1) with the Cleanba
     architecture (the actor skips fetching at iteration 2), from policy u without."""
-    for run, concurrency in [(sync_run, False), (cleanba_run, True)]:
-        learner = values(run.scalars, "stats/learner_policy_version")
-        actor = values(run.scalars, "stats/actor_policy_version")
+    for session_run, concurrency in [(sync_run, False), (cleanba_run, True)]:
+        learner = values(session_run.scalars, "stats/learner_policy_version")
+        actor = values(session_run.scalars, "stats/actor_policy_version")
         assert learner == list(range(1, 13))
         assert actor == ([max(1, v - 1) for v in learner] if concurrency else learner)
 
@@ -77,15 +93,28 @@ def test_layout_is_recorded(two_learners_run):
     assert layout["actor_devices"] == ["cpu:0"] and layout["learner_devices"] == ["cpu:1", "cpu:2"]
 
 
+def evaluate(run_dir, episodes: int) -> list[float]:
+    """cleanba/evaluate.py on a run, as a user runs it; the returns it printed."""
+    command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), run_dir, "--episodes", str(episodes)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    returns = [float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("eval episode")]
+    assert len(returns) == episodes and values(read_scalars(run_dir), "eval/episodic_return") == returns
+    return returns
+
+
 def test_save_model_round_trip(sync_run, algo):
+    """--save-model writes the parameters; cleanba/evaluate.py plays episodes with them (and refuses a run without)."""
     with open(os.path.join(sync_run.path, f"cleanba_{algo}.cleanba_model"), "rb") as f:
         params = flax.serialization.msgpack_restore(f.read())
     assert set(params) == {"torso", "actor", "critic"}
     kernel = params["actor"]["params"]["Dense_0"]["kernel"]
     assert kernel.shape == (64, 2) and np.all(np.isfinite(kernel))
-    assert sync_run.config["args"]["env_id"] == "CartPole-v1"
-    eval_returns = values(sync_run.scalars, "eval/episodic_return")
-    assert len(eval_returns) == 3 and all(1 <= r <= 500 for r in eval_returns)
+    assert sync_run.config["args"]["env_id"] == "CartPole-v1" and sync_run.config["script"] == f"cleanba_{algo}.py"
+    assert all(1 <= r <= 500 for r in evaluate(sync_run.path, 3))
+    command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), os.path.dirname(sync_run.path)]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "holds no model" in refused.stderr
 
 
 def test_track_mirrors_the_logs_to_wandb_offline(cleanba_run):
@@ -96,3 +125,32 @@ def test_track_mirrors_the_logs_to_wandb_offline(cleanba_run):
         records = f.read()
     for tag in [b"losses/value_loss", b"charts/SPS", b"stats/learner_policy_version"]:  # from TensorBoard
         assert tag in records, tag
+
+
+INVERTED_PENDULUM = {  # about 20 s each here
+    "ppo": "--local-num-envs 8 --num-steps 64 --num-minibatches 4 --update-epochs 10 --learning-rate 1e-3 "
+    "--clip-coef 0.2 --total-timesteps 80000",
+    "impala": "--local-num-envs 16 --num-steps 16 --num-minibatches 4 --learning-rate 1e-3 --rmsprop-eps 1e-5 "
+    "--max-grad-norm 10 --total-timesteps 120000",
+}
+
+
+def test_continuous_control_learns(tmp_path, algo):
+    """A diagonal Gaussian policy, with observations and rewards normalised by running statistics (the default for
+    continuous actions), balances InvertedPendulum-v4: returns start near 10 and end at the 1,000 maximum, under the
+    version contract of the script's default architecture. The saved model, normalisation statistics included,
+    balances it too."""
+    flags = ["--env-id", "InvertedPendulum-v4", "--num-actor-threads", 1, "--ent-coef", 0, "--log-frequency", 5]
+    result = check(run(tmp_path, *flags, *INVERTED_PENDULUM[algo].split(), "--save-model", algo=algo))
+    run_dir = only_run(tmp_path)
+    returns = values(read_scalars(run_dir), "charts/episodic_return")
+    assert returns[0] < 100 and np.mean(returns[-3:]) >= 900, returns
+    with open(os.path.join(run_dir, "updates.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    lag = 1 if algo == "impala" else 0  # each script's default architecture: the contract of test_version_contract
+    assert [r["data_version"] for r in records] == [max(1, r["update"] - lag) for r in records]
+    with open(os.path.join(run_dir, "config.json")) as f:
+        args = json.load(f)["args"]
+    assert args["norm_obs"] is True and args["norm_reward"] is True, result.stdout  # the default, settled and recorded
+    assert set(load_checkpoint(run_dir)["state"]["params"]) == {"torso", "actor", "critic", "obs_stats", "return_stats"}
+    assert np.mean(evaluate(run_dir, 3)) >= 500

@@ -156,7 +156,7 @@ def actor_alone(algo, args, cfg, networks, replica_params, rollouts: int):
     training. Returns (steps/s after the first rollout, the first rollouts)."""
     actors = algo.Actors(args, cfg, networks, start_update=0)
     try:
-        actors.start(replica_params)
+        actors.publish(replica_params, 1)
         received, start = [], None
         for update in range(1, rollouts + 1):
             received.append(actors.collect())
@@ -182,7 +182,7 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     algo.check_args(args)
     cfg = algo.derive_config(args)
     spec = envpool.make_spec(args.env_id)
-    networks = algo.make_networks(spec.observation_space.shape, spec.action_space.n)
+    networks = algo.make_networks(spec.observation_space.shape, spec.action_space)
     state, _, _ = algo.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
     replica_params = algo.replica(state.params)
     num_threads = args.num_actor_threads
