@@ -6,13 +6,14 @@ For every run under the given directories (a run is a directory with config.json
 the final score is the mean `charts/episodic_return` over the last --last-fraction of its logged points.
 Runs are grouped by method (the run's --exp-name) and environment. Written to --out:
 
-- scores.csv: one row per run: method, env id, seed, steps, final score, human-normalised score (HNS)
-- games.md / games.csv: per method and game, the mean final score and HNS over seeds
-- aggregates.md / aggregates.csv: per method, median, mean and IQM of the HNS (raw scores for
-  environments without Atari reference scores) with 95% stratified-bootstrap confidence intervals
-  (Agarwal et al., 2021, "Deep RL at the Edge of the Statistical Precipice")
+- scores.csv: one row per run: method, script, env id, seed, steps, final score, human-normalised score (HNS)
+- games.md / games.csv: per method and environment, the final score's mean +- std over seeds, its steps and
+  wall-clock time, and beside PPO's the published reference score where there is one (PUBLISHED below)
+- aggregates.md / aggregates.csv, aggregates.png: per method, median, mean and IQM of the HNS over its Atari
+  games with 95% stratified-bootstrap confidence intervals (Agarwal et al., 2021, "Deep RL at the Edge of the
+  Statistical Precipice"). Only normalised scores are aggregated: raw returns of different games are not on
+  one scale, so other environments are reported game by game and left out of the aggregates.
 - curves_<env>.png: mean +- 95% CI over seeds against environment steps and against wall-clock time
-- aggregates.png: the aggregate intervals
 
 Partial grids (missing seeds or games, unfinished runs) are reported as they are. A tool: the training
 scripts never import it.
@@ -29,7 +30,7 @@ from collections import defaultdict
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from events import read_scalars  # noqa: E402
+from events import read_events  # noqa: E402
 
 # Random and human reference scores of the 57 Atari games, as used for human-normalised scores since
 # Mnih et al. (2015), "Human-level control through deep reinforcement learning", with the games added by
@@ -95,6 +96,19 @@ ATARI_REFERENCE_SCORES = {
 }
 
 
+# Published final scores to compare with: CleanRL's PPO (mean +- std over seeds of the mean episodic return at the
+# end of training), from its benchmark pages (docs.cleanrl.dev/rl-algorithms/ppo/): ppo.py on classic control
+# (500k steps) and ppo_continuous_action.py on MuJoCo v4 (1M steps, its benchmark tag pr-424).
+PUBLISHED = {
+    "CartPole-v1": (490.04, 6.12, "CleanRL ppo.py, 500k steps"),
+    "Acrobot-v1": (-86.36, 1.32, "CleanRL ppo.py, 500k steps"),
+    "HalfCheetah-v4": (1442.64, 46.03, "CleanRL ppo_continuous_action.py, 1M steps"),
+    "Hopper-v4": (2382.86, 271.74, "CleanRL ppo_continuous_action.py, 1M steps"),
+    "Walker2d-v4": (2287.95, 571.78, "CleanRL ppo_continuous_action.py, 1M steps"),
+    "InvertedPendulum-v4": (963.09, 22.20, "CleanRL ppo_continuous_action.py, 1M steps"),
+}
+
+
 def game_name(env_id: str) -> str:
     return env_id.rsplit("-", 1)[0]
 
@@ -146,12 +160,20 @@ def load_runs(directories: list[str]) -> list[dict]:
         for config_path in sorted(glob.glob(os.path.join(directory, "**", "config.json"), recursive=True)):
             run_dir = os.path.dirname(config_path)
             with open(config_path) as f:
-                args = json.load(f)["args"]
-            curve = read_scalars(run_dir, wall_time=True).get("charts/episodic_return", [])
+                config = json.load(f)
+            args, events = config["args"], read_events(run_dir)
+            curve = events.scalars.get("charts/episodic_return", [])
+            script = config.get("script", "cleanba_ppo.py" if "update_epochs" in args else "cleanba_impala.py")
             if curve:
                 runs.append(
                     dict(
-                        run_dir=run_dir, method=args["exp_name"], env_id=args["env_id"], seed=args["seed"], curve=curve
+                        run_dir=run_dir,
+                        method=args["exp_name"],
+                        script=script,
+                        env_id=args["env_id"],
+                        seed=args["seed"],
+                        curve=curve,
+                        started=events.started,
                     )
                 )
     return runs
@@ -187,6 +209,7 @@ def plot_curves(runs: list[dict], env_id: str, path: str):
             axis.plot(grid, mean, label=f"{method} ({len(curves)} seeds)")
             axis.fill_between(grid, low, high, alpha=0.2)
     by_step.set_xlabel("environment steps")
+    by_step.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=""))  # 500k, 1M: no overlapping labels
     by_time.set_xlabel("wall-clock seconds")
     for axis in (by_step, by_time):
         axis.set_ylabel("episodic return")
@@ -248,55 +271,61 @@ def main():
     for run in runs:
         run["score"] = final_score(run["curve"], args.last_fraction)
         run["hns"] = human_normalized(run["env_id"], run["score"])
-        rows.append(
-            [
-                run["method"],
-                run["env_id"],
-                run["seed"],
-                run["curve"][-1][0],
-                run["score"],
-                "" if run["hns"] is None else run["hns"],
-            ]
-        )
-    write_table(os.path.join(args.out, "scores"), ["method", "env_id", "seed", "steps", "score", "hns"], rows)
+        hns = "" if run["hns"] is None else run["hns"]
+        rows.append([run["method"], run["script"], run["env_id"], run["seed"], run["curve"][-1][0], run["score"], hns])
+    write_table(os.path.join(args.out, "scores"), ["method", "script", "env_id", "seed", "steps", "score", "hns"], rows)
 
-    # Aggregates on HNS when every game has reference scores, on raw scores otherwise.
-    use_hns = all(run["hns"] is not None for run in runs)
-    label = "HNS" if use_hns else "score"
-    by_method = defaultdict(lambda: defaultdict(list))
+    groups = defaultdict(list)
     for run in runs:
-        by_method[run["method"]][run["env_id"]].append(run["hns"] if use_hns else run["score"])
-    game_rows, summary = [], {}
-    for method, scores_by_game in sorted(by_method.items()):
-        for env_id, scores in sorted(scores_by_game.items()):
-            game_rows.append([method, env_id, len(scores), float(np.mean(scores)), float(np.std(scores))])
-        summary[method] = dict(
-            point=aggregates(scores_by_game), interval=stratified_bootstrap(scores_by_game, args.bootstrap)
-        )
-    write_table(
-        os.path.join(args.out, "games"), ["method", "env_id", "seeds", f"mean {label}", f"std {label}"], game_rows
-    )
-    write_table(
-        os.path.join(args.out, "aggregates"),
-        ["method", "games", "runs", *[f"{name} {label} [95% CI]" for name in ("median", "iqm", "mean")]],
-        [
+        groups[run["method"], run["env_id"]].append(run)
+    game_rows = []
+    for (method, env_id), group in sorted(groups.items()):
+        scores, minutes = [r["score"] for r in group], [(r["curve"][-1][2] - r["started"]) / 60 for r in group]
+        published = PUBLISHED.get(env_id) if all(r["script"] == "cleanba_ppo.py" for r in group) else None
+        steps = f"{np.median([r['curve'][-1][0] for r in group]):,.0f}"
+        game_rows.append(
             [
                 method,
-                len(by_method[method]),
-                sum(map(len, by_method[method].values())),
-                *[
-                    f"{s['point'][n]:.4g} [{s['interval'][n][0]:.4g}, {s['interval'][n][1]:.4g}]"
-                    for n in ("median", "iqm", "mean")
-                ],
+                env_id,
+                len(group),
+                steps,
+                f"{np.mean(scores):.1f} ± {np.std(scores):.1f}",
+                f"{np.mean(minutes):.1f}",
+                f"{published[0]:g} ± {published[1]:g} ({published[2]})" if published else "—",
             ]
-            for method, s in summary.items()
-        ],
-    )
+        )
+    header = ["method", "env_id", "seeds", "steps", "final score (mean ± std)", "minutes per run", "published (PPO)"]
+    write_table(os.path.join(args.out, "games"), header, game_rows)
     for env_id in sorted({run["env_id"] for run in runs}):
         plot_curves(
             [run for run in runs if run["env_id"] == env_id], env_id, os.path.join(args.out, f"curves_{env_id}.png")
         )
-    plot_aggregates(summary, os.path.join(args.out, "aggregates.png"), label)
+
+    by_method = defaultdict(lambda: defaultdict(list))  # human-normalised scores of the Atari games only
+    for run in runs:
+        if run["hns"] is not None:
+            by_method[run["method"]][run["env_id"]].append(run["hns"])
+    with open(os.path.join(args.out, "games.md")) as f:
+        print(f.read())
+    if not by_method:
+        return print(f"{len(runs)} runs, no Atari game to aggregate over; tables and plots in {args.out}/")
+    summary = {
+        method: dict(point=aggregates(scores), interval=stratified_bootstrap(scores, args.bootstrap))
+        for method, scores in sorted(by_method.items())
+    }
+
+    def cells(s):
+        return [
+            f"{s['point'][n]:.4g} [{s['interval'][n][0]:.4g}, {s['interval'][n][1]:.4g}]"
+            for n in ("median", "iqm", "mean")
+        ]
+
+    write_table(
+        os.path.join(args.out, "aggregates"),
+        ["method", "games", "runs", *[f"{name} HNS [95% CI]" for name in ("median", "iqm", "mean")]],
+        [[m, len(by_method[m]), sum(map(len, by_method[m].values())), *cells(s)] for m, s in summary.items()],
+    )
+    plot_aggregates(summary, os.path.join(args.out, "aggregates.png"), "HNS")
     with open(os.path.join(args.out, "aggregates.md")) as f:
         print(f.read())
     print(f"{len(runs)} runs, {len({r['env_id'] for r in runs})} environments; tables and plots in {args.out}/")

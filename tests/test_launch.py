@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import envpool
+import numpy as np
 import pytest
 from helpers import REPO, load_module, read_scalars, run_dirs
 from slurm_cluster import missing_tools, slurm_cluster
@@ -150,15 +151,35 @@ def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
     with open(tmp_path / "scores.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted(r["env_id"] for r in rows) == ["Acrobot-v1", "CartPole-v1", "MountainCar-v0"]
+    assert {r["script"] for r in rows} == {"cleanba_ppo.py"}
     cartpole = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1"]
     assert all(9 <= score <= 500 for score in cartpole)
-    with open(tmp_path / "aggregates.md") as f:
-        table = f.read()
-    median, low, high = map(float, re.search(r"\| ([-\d.e+]+) \[([-\d.e+]+), ([-\d.e+]+)\]", table).groups())
-    assert low <= median <= high
-    for name in ["curves_CartPole-v1.png", "curves_MountainCar-v0.png", "aggregates.png"]:
+    with open(tmp_path / "games.md") as f:
+        row = [line for line in f if "CartPole-v1" in line][0]
+    score, minutes, published = [cell.strip() for cell in row.strip().strip("|").split("|")][4:]
+    assert float(score.split(" ± ")[0]) == pytest.approx(cartpole[0], abs=0.05)
+    assert 0 < float(minutes) < 5
+    assert published.startswith(f"{aggregate.PUBLISHED['CartPole-v1'][0]:g} ± ")
+    # Raw returns of different games are not on one scale: without Atari games there is nothing to aggregate.
+    assert "no Atari game to aggregate over" in result.stdout
+    assert not os.path.exists(tmp_path / "aggregates.md")
+    for name in ["curves_CartPole-v1.png", "curves_MountainCar-v0.png"]:
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_aggregates_and_their_confidence_intervals():
+    hns = {"Pong-v5": [0.0, 0.1, 0.2], "Breakout-v5": [1.0, 1.2, 1.4], "Qbert-v5": [5.0, 5.0, 5.0]}
+    point = aggregate.aggregates(hns)
+    assert point["median"] == pytest.approx(1.2)  # of the game means 0.1, 1.2, 5.0
+    assert point["mean"] == pytest.approx(6.3 / 3)
+    assert point["iqm"] == pytest.approx(np.mean([0.2, 1.0, 1.2, 1.4, 5.0]))  # the middle half of 9 scores
+    interval = aggregate.stratified_bootstrap(hns, repetitions=500)
+    for name in ("median", "iqm", "mean"):
+        low, high = interval[name]
+        assert low <= point[name] <= high
+    assert interval["mean"][0] < interval["mean"][1]
+    assert interval["mean"][0] > (0.0 + 1.0 + 5.0) / 3  # every resample keeps every game (stratified)
 
 
 def test_human_normalized_scores():
