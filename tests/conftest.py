@@ -33,6 +33,7 @@ SHARED_RUNS = {
     "sync_run",
     "sync_rerun",
     "cleanba_run",
+    "cleanba_rerun",
     "one_thread_run",
     "two_learners_run",
     "two_processes_run",
@@ -79,6 +80,13 @@ def cleanba_run(algo, tmp_path_factory) -> Run:
     env = dict(script_env(), WANDB_MODE="offline", WANDB_DIR=str(cwd), WANDB_SILENT="true")
     result = check(run(cwd, *CARTPOLE_8_ENVS, "--concurrency", "--track", env=env, algo=algo))
     return finished_run(cwd, result.stdout)
+
+
+@pytest.fixture(scope="session")
+def cleanba_rerun(algo, tmp_path_factory) -> Run:
+    """The Cleanba run's configuration again (not mirrored to W&B, a Runtime flag), in a directory of its own."""
+    cwd = tmp_path_factory.mktemp(f"cleanba-rerun-{algo}")
+    return finished_run(cwd, check(run(cwd, *CARTPOLE_8_ENVS, "--concurrency", algo=algo)).stdout)
 
 
 @pytest.fixture(scope="session")

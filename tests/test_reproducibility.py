@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from compare_runs import compare, within_tolerance
-from helpers import BREAKOUT, REPO, check, finished_run, load_checkpoint, run, run_processes
+from helpers import BREAKOUT, REPO, Run, check, finished_run, load_checkpoint, run, run_processes
 
 COMPARED_UPDATES, ATARI_UPDATES = 10, 5
 
@@ -32,17 +32,29 @@ def assert_same_batches_close_losses(
         assert within_tolerance(name, difference), f"{name} differs by {difference:.2e} at update {update}"
 
 
+def assert_bitwise_identical(a: Run, b: Run):
+    """Every record of updates.jsonl (fingerprints, losses) and every logged metric but the timings, bit for bit."""
+    assert b.records == a.records
+    for tag, series in a.scalars.items():
+        if not tag.startswith("stats/") and tag != "charts/SPS":
+            assert b.scalars[tag] == series, tag
+
+
 def test_same_layout_twice_is_bitwise_identical(sync_run, sync_rerun):
     """The sync run started over (--no-resume) with its own compilation cache, now warm: every fingerprint, loss
     and logged metric bit for bit, and the cache's compiled programs compute what a compilation does."""
     _, rerun = sync_rerun
-    assert rerun.records == sync_run.records
-    for tag, series in sync_run.scalars.items():
-        if not tag.startswith("stats/") and tag != "charts/SPS":  # all but timings
-            assert rerun.scalars[tag] == series, tag
+    assert_bitwise_identical(sync_run, rerun)
     assert len({record["fingerprint"] for record in sync_run.records}) == 12  # every batch is new data
     cache = os.path.join(os.path.dirname(sync_run.path), ".compilation_cache")  # the default: runs/.compilation_cache
     assert len(os.listdir(cache)) >= 3
+
+
+def test_cleanba_architecture_twice_is_bitwise_identical(cleanba_run, cleanba_rerun):
+    """The actor overlaps the learner, one version behind: thread timing decides when each runs, never what
+    they compute, so the same configuration gives the same bits."""
+    assert [record["data_version"] for record in cleanba_run.records][:3] == [1, 1, 2]
+    assert_bitwise_identical(cleanba_run, cleanba_rerun)
 
 
 def test_one_vs_two_actor_threads(sync_run, one_thread_run):
@@ -110,7 +122,7 @@ def test_atari_layouts(tmp_path, algo):
         outputs[name] = check(result).stdout
     outputs["processes"] = run_processes(tmp_path / "processes", *flags, algo=algo)[0]
     for name, notation in [("one", "a0-l0-d1"), ("two", "a0-l1,2-d1"), ("processes", "a0-l0-d2")]:
-        assert f"layout {notation} " in outputs[name]
+        assert f"layout {notation}, " in outputs[name]
     records = [finished_run(tmp_path / name).records for name in outputs]
     for run_records in records:
         assert [r["update"] for r in run_records] == list(range(1, ATARI_UPDATES + 1))

@@ -87,7 +87,7 @@ def test_version_contract(sync_run, cleanba_run):
 
 
 def test_layout_is_recorded(two_learners_run):
-    assert "layout a0-l1,2-d1 " in two_learners_run.output
+    assert "layout a0-l1,2-d1, actor threads: 1" in two_learners_run.output
     layout = two_learners_run.config["layout"]
     assert layout["notation"] == "a0-l1,2-d1" and layout["processes"] == 1 and layout["num_envs"] == 8
     assert layout["actor_devices"] == ["cpu:0"] and layout["learner_devices"] == ["cpu:1", "cpu:2"]
