@@ -2,9 +2,9 @@
 # The experiment grids, as launcher commands. Usage: bash benchmark.sh GRID [launcher flags...]
 #
 #   laptop                   PPO and IMPALA on CartPole-v1 and Acrobot-v1, 3 seeds, 500k steps, on this machine
-#                            (2 workers, ~8 minutes on 2 CPU cores)
+#                            (2 workers, ~6 minutes on 2 CPU cores)
 #   mujoco                   PPO and IMPALA on HalfCheetah-v4, Hopper-v4 and Walker2d-v4, 3 seeds, 1M steps
-#                            (2 workers, ~30 minutes on 2 CPU cores)
+#                            (2 workers, ~28 minutes on 2 CPU cores)
 #   results                  laptop, then mujoco: the README's results table. Then:
 #                            .venv/bin/python cleanba/aggregate.py runs --out results
 #   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
