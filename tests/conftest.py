@@ -115,7 +115,7 @@ def two_processes_run(algo, tmp_path_factory) -> Run:
     return finished_run(cwd, outputs[0])
 
 
-# Continuous control: HalfCheetah-v4 (observations and rewards normalised by default), 8 envs, 2 updates, on three
+# Continuous control: HalfCheetah-v4 (observations and rewards normalised by default), 8 envs, 1 update, on three
 # layouts: 2 actor threads x 4 envs, 1 thread x 8, and 1 thread x 8 with the learner on devices 1 and 2.
 # One update: the layouts part from the second batch on (test_continuous_control_across_layouts says why).
 HALFCHEETAH_8_ENVS = "--env-id HalfCheetah-v4 --num-steps 32 --num-minibatches 4 --total-timesteps 256".split()

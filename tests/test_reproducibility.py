@@ -26,10 +26,15 @@ def assert_same_batches_close_losses(
     result = compare(records_a, records_b, batch_updates)
     assert result["updates"] == batch_updates
     assert result["first_fingerprint_mismatch"] is None, result
-    differences = compare(records_a, records_b, loss_updates)["max_relative_difference"]
+    assert_close_losses(records_a, records_b, loss_updates)
+
+
+def assert_close_losses(records_a, records_b, updates: int, context: str = ""):
+    """Every loss series within compare_runs.py's tolerance over the first updates."""
+    differences = compare(records_a, records_b, updates)["max_relative_difference"]
     assert set(differences) >= {"loss", "policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"}
     for name, (difference, update) in differences.items():
-        assert within_tolerance(name, difference), f"{name} differs by {difference:.2e} at update {update}"
+        assert within_tolerance(name, difference), f"{context}{name} differs by {difference:.2e} at update {update}"
 
 
 def assert_bitwise_identical(a: Run, b: Run):
@@ -148,9 +153,7 @@ def test_continuous_control_across_layouts(continuous_runs):
     # Every env's every step (HalfCheetah's episodes last 1,000 steps: no reset step to leave out).
     assert [round(float(reference[stats]["count"])) for stats in ("obs_stats", "return_stats")] == [8 * 32] * 2
     for name in ("two_threads", "two_learners"):
-        differences = compare(runs["one_thread"].records, runs[name].records)["max_relative_difference"]
-        for series, (difference, _) in differences.items():
-            assert within_tolerance(series, difference), f"{name}: {series} differs by {difference:.2e}"
+        assert_close_losses(runs["one_thread"].records, runs[name].records, updates=1, context=f"{name}: ")
         params = load_checkpoint(runs[name].path)["state"]["params"]
         for stats in ("obs_stats", "return_stats"):
             ours, theirs = params[stats], reference[stats]

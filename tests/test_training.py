@@ -93,10 +93,15 @@ def test_layout_is_recorded(two_learners_run):
     assert layout["actor_devices"] == ["cpu:0"] and layout["learner_devices"] == ["cpu:1", "cpu:2"]
 
 
+def run_evaluate(run_dir, *flags) -> subprocess.CompletedProcess:
+    """cleanba/evaluate.py on a run directory, as a user runs it."""
+    command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), run_dir, *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
 def evaluate(run_dir, episodes: int) -> list[float]:
-    """cleanba/evaluate.py on a run, as a user runs it; the returns it printed."""
-    command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), run_dir, "--episodes", str(episodes)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    """The returns cleanba/evaluate.py printed for a run with a saved model (and logged to its events)."""
+    result = run_evaluate(run_dir, "--episodes", str(episodes))
     assert result.returncode == 0, result.stderr[-3000:]
     returns = [float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("eval episode")]
     assert len(returns) == episodes and values(read_scalars(run_dir), "eval/episodic_return") == returns
@@ -112,8 +117,7 @@ def test_save_model_round_trip(sync_run, algo):
     assert kernel.shape == (64, 2) and np.all(np.isfinite(kernel))
     assert sync_run.config["args"]["env_id"] == "CartPole-v1" and sync_run.config["script"] == f"cleanba_{algo}.py"
     assert all(1 <= r <= 500 for r in evaluate(sync_run.path, 3))
-    command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), os.path.dirname(sync_run.path)]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    refused = run_evaluate(os.path.dirname(sync_run.path))
     assert refused.returncode == 2 and "holds no model" in refused.stderr
 
 
