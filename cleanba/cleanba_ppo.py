@@ -17,6 +17,7 @@ global minibatch. So the same seed gives the same batches on 1 device or many, u
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -204,10 +205,8 @@ def derive_config(args: Args) -> Config:
     if args.total_timesteps < batch_size:
         raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size} steps)")
     learners = [jax.local_devices(process_index=p)[i] for p in range(world_size) for i in args.learner_device_ids]
-    actors, local_learners = (
-        [local_devices[i] for i in args.actor_device_ids],
-        [local_devices[i] for i in args.learner_device_ids],
-    )
+    actors = [local_devices[i] for i in args.actor_device_ids]
+    local_learners = [local_devices[i] for i in args.learner_device_ids]
     num_updates, offset = args.total_timesteps // batch_size, rank * envs_per_process
     return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
 
@@ -393,22 +392,122 @@ class Rollout(NamedTuple):
     timings: dict
 
 
-def make_policy(args: Args, networks: Networks, env_ids: np.ndarray):
-    """The actor's jitted policy for the environments `env_ids`. It takes a learner replica's parameters (with a
-    device axis of size 1) and a step counter kept on the device: per step, only observations in, actions out."""
+class EnvState(NamedTuple):
+    """What an actor thread carries from one env step to the next (and across rollouts), on its actor device."""
+
+    handle: jax.Array  # EnvPool's state handle, threaded through its XLA operations to order them
+    obs: jax.Array
+    done: jax.Array  # the last step ended an episode: EnvPool resets the env on this step and ignores its action
+    episode_return: jax.Array  # unclipped (Atari's info["reward"]), for logging
+    episode_length: jax.Array
+    discounted_return: jax.Array  # --norm-reward's statistic, each env's own
+    step: jax.Array  # the actor's step counter: actions are sampled with a key of (step, global env index)
+
+
+def to_float32(tree):  # EnvPool's float64 (MuJoCo) as JAX computes without x64
+    return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, tree)
+
+
+def env_step_op(envs, platform: str):
+    """(A handle, the envs' step) for a rollout on an actor device of `platform`: on a CPU, EnvPool's own XLA operation
+    (envs.xla()), which a jitted program runs; elsewhere EnvPool's Python step on host arrays. MuJoCo takes and
+    returns float64, which JAX only traces with x64 on: the operation is traced so, and both give float32 back."""
+    action_dtype = envs.spec.action_array_spec["action"].dtype
+    if platform != "cpu":
+
+        def host_step(handle, action):
+            obs, reward, terminated, truncated, info = envs.step(np.asarray(action, action_dtype))
+            info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
+            return handle, to_float32((obs, reward, terminated, truncated, info))
+
+        return np.zeros(1, np.uint8), host_step
+    with jax.enable_x64(True):
+        handle, _, _, xla_step = envs.xla()
+
+    def xla_env_step(handle, action):
+        with jax.enable_x64(True):
+            return to_float32(xla_step(handle, action.astype(action_dtype)))
+
+    return handle, xla_env_step
+
+
+def first_state(envs, handle, step: int) -> EnvState:
+    """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on."""
+    (obs, _), zeros = envs.reset(), np.zeros(envs.config["num_envs"], np.float32)
+    return EnvState(handle, to_float32(obs), zeros.astype(bool), zeros, zeros.astype(np.int32), zeros, np.int32(step))
+
+
+def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]:
+    """An env step's outputs: the envs' next state, and what the batch records of the step."""
+    next_obs, reward, terminated, truncated, info = outputs
+    done, valid = terminated | truncated, ~env.done  # the step out of a final observation is not a transition
+    episode_return = env.episode_return + info.get("reward", reward)  # Atari: the unclipped reward
+    episode_length = env.episode_length + valid  # EnvPool's reset step is not part of either episode
+    discounted_return = env.discounted_return * args.gamma + reward
+    record = dict(obs=env.obs, rewards=reward, terminations=terminated, dones=done, valid=valid)
+    record.update(episode_returns=jnp.where(done, episode_return, 0.0), discounted_returns=discounted_return)
+    record.update(episode_lengths=jnp.where(done, episode_length, 0))
+    ended = lambda x: jnp.where(done, 0, x)  # noqa: E731 (the sums of an episode that ended start over)
+    sums = ended(episode_return), ended(episode_length), ended(discounted_return)
+    return EnvState(handle, next_obs, done, *sums, env.step + 1), record
+
+
+def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
+    """The rollout: num_steps of `act`, `env_step` and `observe`, then `bootstrap`; from a learner replica's parameters
+    and the envs' state to their next state and the batch, time-major: (num_steps, envs, ...). On a CPU, one jitted
+    program (EnvPool steps inside a lax.scan: no Python per step). On a GPU that scan gave wrong observations and
+    episode ends (EnvPool's operation or a JAX host callback in it: README, "GPUs"), so a Python loop steps the envs
+    between jitted calls of the same functions there; tests/test_scripts.py checks that both collect the same."""
+
+    def step(params, env: EnvState, _):
+        action, policy = act(params, env)
+        handle, outputs = env_step(env.handle, action)
+        env, record = observe(args, env, handle, outputs)
+        return env, {**policy, **record}
+
+    if platform == "cpu":
+
+        @jax.jit
+        def rollout(replica_params, env: EnvState):
+            params = jax.tree.map(lambda x: x[0], replica_params)
+            env, batch = jax.lax.scan(functools.partial(step, params), env, length=args.num_steps)
+            return env, bootstrap(params, env, batch)
+
+        return rollout
+    act_on_device, observe_on_device = jax.jit(act), jax.jit(functools.partial(observe, args))
+    bootstrap_on_device = jax.jit(bootstrap)
+
+    def rollout_loop(replica_params, env: EnvState):
+        params, records = jax.tree.map(lambda x: x[0], replica_params), []
+        for _ in range(args.num_steps):
+            action, policy = act_on_device(params, env)
+            handle, outputs = env_step(env.handle, action)
+            env, record = observe_on_device(env, handle, outputs)
+            records.append({**policy, **record})
+        return env, bootstrap_on_device(params, env, jax.tree.map(lambda *steps: jnp.stack(steps), *records))
+
+    return rollout_loop
+
+
+def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, platform: str):
+    """(EnvPool's handle, the actor's rollout) for the pool `envs`, whose global indices are `env_ids`."""
     action_key = jax.random.fold_in(jax.random.key(args.seed), ACTIONS)
+    handle, env_step = env_step_op(envs, platform)
+    space = envs.action_space
 
-    @jax.jit
-    def policy(replica_params, obs, step):
-        dist, value = forward(networks, jax.tree.map(lambda x: x[0], replica_params), obs)
+    def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy)
+        dist, value = forward(networks, params, env.obs)
         # One key per (environment, step): the sampled actions do not depend on the layout.
-        step_key = jax.random.fold_in(action_key, step)
-        keys = jax.vmap(lambda g: jax.random.fold_in(step_key, g))(env_ids)
-        action = jax.vmap(lambda dist, key: dist.sample(key))(dist, keys)
-        logprob = dist.log_prob_and_entropy(action)[0]
-        return action, logprob, value, step + 1
+        step_key = jax.random.fold_in(action_key, env.step)
+        action = jax.vmap(lambda dist, g: dist.sample(jax.random.fold_in(step_key, g)))(dist, env_ids)
+        policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0], values=value)
+        # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
+        return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy
 
-    return policy
+    def bootstrap(params, env: EnvState, batch):  # the value of the last observation, to bootstrap from
+        return {**batch, "values": jnp.concatenate([batch["values"], forward(networks, params, env.obs)[1][None]])}
+
+    return handle, compile_rollout(args, act, env_step, bootstrap, platform)
 
 
 class Actors:
@@ -446,12 +545,8 @@ class Actors:
         threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
         envs = make_env(args.env_id, num_envs, first_env_index, args.seed, **threads)
         env_ids = np.arange(first_env_index, first_env_index + num_envs)
-        policy = make_policy(args, self.networks, env_ids)
-        (obs, _), done = envs.reset(), np.zeros(num_envs, dtype=bool)
-        episode_return, episode_length = np.zeros(num_envs, dtype=np.float32), np.zeros(num_envs, dtype=np.int32)
-        discounted_return = np.zeros(num_envs, dtype=np.float32)  # --norm-reward's statistic, each env's own
-        space = envs.action_space
-        to_env = (lambda a: a) if hasattr(space, "n") else (lambda a: np.clip(a, space.low, space.high))
+        handle, rollout = make_rollout(args, self.networks, envs, env_ids, device.platform)
+        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps), device)
         for update in range(self.start_update + 1, self.cfg.num_updates + 1):
             timings = {}
             if thread_id == 0 and fault_injected("actor", update):
@@ -461,45 +556,9 @@ class Actors:
             if not args.concurrency or update != self.start_update + 2:
                 with timer(timings, "params_queue_get_time"):
                     params, version = self.blocking(params_queue.get)  # the learner put them on this device
-            shape = (args.num_steps, num_envs)
-            batch = dict(
-                obs=np.zeros(shape + obs.shape[1:], dtype=obs.dtype),
-                actions=np.zeros(shape + space.shape, dtype=np.int32 if hasattr(space, "n") else np.float32),
-                rewards=np.zeros(shape, dtype=np.float32),
-                terminations=np.zeros(shape, dtype=bool),
-                dones=np.zeros(shape, dtype=bool),
-                # EnvPool resets a finished env on the *next* step: that step's action is ignored, so the
-                # transition out of a final observation is not real and is masked out of the loss.
-                valid=np.zeros(shape, dtype=bool),
-                episode_returns=np.zeros(shape, dtype=np.float32),
-                episode_lengths=np.zeros(shape, dtype=np.int32),
-                discounted_returns=np.zeros(shape, dtype=np.float32),
-            )
-            logprobs, values = [], []  # they stay on the device until the rollout is complete
-            step = jax.device_put(np.int32((update - 1) * args.num_steps), device)
-            for t in range(args.num_steps):
-                with timer(timings, "inference_time"):
-                    action, logprob, value, step = policy(params, obs, step)
-                    action = np.asarray(action)  # the envs need it on the host
-                with timer(timings, "env_step_time"):
-                    next_obs, reward, terminated, truncated, info = envs.step(to_env(action))
-                logprobs.append(logprob)
-                values.append(value)
-                batch["obs"][t], batch["valid"][t] = obs, ~done
-                done = terminated | truncated
-                batch["actions"][t], batch["rewards"][t] = action, reward
-                batch["terminations"][t], batch["dones"][t] = terminated, done
-                episode_return += info.get("reward", reward)  # Atari: the unclipped reward
-                episode_length += batch["valid"][t]  # EnvPool's reset step is not part of either episode
-                batch["episode_returns"][t] = np.where(done, episode_return, 0.0)
-                batch["episode_lengths"][t] = np.where(done, episode_length, 0)
-                discounted_return = discounted_return * args.gamma + reward
-                batch["discounted_returns"][t] = discounted_return
-                episode_return[done], episode_length[done], discounted_return[done] = 0.0, 0, 0.0
-                obs = next_obs
-            with timer(timings, "inference_time"):
-                values.append(policy(params, obs, step)[2])  # bootstrap value of the last observation
-                batch["logprobs"], batch["values"] = np.asarray(jnp.stack(logprobs)), np.asarray(jnp.stack(values))
+            with timer(timings, "rollout_time"):
+                env, batch = rollout(params, env)
+                batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
             with timer(timings, "rollout_queue_put_time"):
                 self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
 
@@ -798,8 +857,7 @@ class RunDir:
         actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
         learning_rate = self.schedule(int(to_host(state.step))) if callable(self.schedule) else self.schedule
         scalars = {"charts/SPS": sps, "charts/learning_rate": float(learning_rate), "stats/update": update}
-        episodes, return_sum, length_sum = self.episodes
-        self.episodes[:] = 0
+        (episodes, return_sum, length_sum), self.episodes = self.episodes, np.zeros(3)
         if episodes:
             scalars.update({"charts/episodic_return": return_sum / episodes})
             scalars.update({"charts/episodic_length": length_sum / episodes})
@@ -836,11 +894,9 @@ class RunDir:
 
     def save_model(self, params):
         """The parameters (normalisation statistics included); cleanba/evaluate.py plays episodes with them."""
-        with open(f"{self.path}/{self.args.exp_name}.cleanba_model", "wb") as f:
+        with open(path := f"{self.path}/{self.args.exp_name}.cleanba_model", "wb") as f:
             f.write(flax.serialization.to_bytes(params))
-        print(
-            f"model saved to {self.path}/{self.args.exp_name}.cleanba_model (evaluate: cleanba/evaluate.py {self.path})"
-        )
+        print(f"model saved to {path} (evaluate: cleanba/evaluate.py {self.path})")
 
     def close(self, finished: bool):
         if self.active:
@@ -852,20 +908,16 @@ class RunDir:
 
 def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space, checkpoint: dict | None):
     """(Parameters from --seed or the checkpoint, and the optimiser, on the learner devices; start update; schedule)"""
-    torso_key, actor_key, critic_key = jax.random.split(
-        jax.random.fold_in(jax.random.key(args.seed), INITIALISATION), 3
-    )
+    initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
+    torso_key, actor_key, critic_key = jax.random.split(initialisation_key, 3)
     dummy_obs = np.zeros((1, *observation_space.shape), dtype=observation_space.dtype)
     torso_params = networks.torso.init(torso_key, dummy_obs)
     policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
     params = dict(torso=torso_params, actor=networks.actor.init(actor_key, policy_hidden))
     params.update(critic=networks.critic.init(critic_key, value_hidden))
     stats = lambda shape: dict(mean=np.zeros(shape, np.float32), var=np.ones(shape, np.float32), count=np.float32(1e-4))  # noqa: E731
-    for name, shape, wanted in [
-        ("obs_stats", observation_space.shape, args.norm_obs),
-        ("return_stats", (), args.norm_reward),
-    ]:
-        params.update({name: stats(shape)} if wanted else {})
+    params.update({"obs_stats": stats(observation_space.shape)} if args.norm_obs else {})
+    params.update({"return_stats": stats(())} if args.norm_reward else {})
     gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
     schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
     tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
@@ -887,11 +939,9 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: li
         print(f"error in thread {name}:\n{trace}", file=sys.stderr)
     preempted = not actors.failures and update < cfg.num_updates
     if preempted and cfg.rank == 0:
-        stopped_by = signal.Signals(signals[0]).name if signals else "another process"
-        print(
-            f"stopped by {stopped_by} after update {update} (global step {update * cfg.batch_size:,}); checkpoint "
-            f"written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
-        )
+        by = signal.Signals(signals[0]).name if signals else "another process"
+        resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
+        print(f"stopped by {by} after update {update} (global step {update * cfg.batch_size:,}); {resume}")
     if cfg.rank == 0 and args.save_model and not actors.failures and not preempted:
         run_dir.save_model(to_host(state.params))
     run_dir.close(finished=not actors.failures and not preempted)

@@ -4,7 +4,7 @@
 
 The run's config.json names its script and arguments: this tool loads the script as a module, rebuilds its
 networks, reads the model (the normalisation statistics included) and plays on an environment whose global index
-no training environment has, with the actors' own policy function (a Gaussian's sample clipped to the action
+no training environment has, with the actors' own rollout program (a Gaussian's sample clipped to the action
 bounds on its way to the environment). It prints each episode's return (unclipped, for Atari) and their mean, and
 logs them to the run's TensorBoard events as eval/episodic_return. A tool: the training scripts never import it.
 """
@@ -47,20 +47,16 @@ def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float
     spec = envpool.make_spec(args.env_id)
     networks = script.make_networks(spec.observation_space.shape, spec.action_space)
     envs = script.make_env(args.env_id, 1, EVAL_ENV_INDEX, args.seed)
-    policy = script.make_policy(args, networks, np.array([EVAL_ENV_INDEX]))
+    handle, rollout = script.make_rollout(args, networks, envs, np.array([EVAL_ENV_INDEX]), jax.default_backend())
     with open(os.path.join(run_dir, f"{args.exp_name}.cleanba_model"), "rb") as f:
         params = flax.serialization.msgpack_restore(f.read())
-    params = jax.tree.map(lambda x: np.asarray(x)[None], params)  # the device axis the actors' policy takes
-    space, (obs, _), step, returns, episode_return = envs.action_space, envs.reset(), 0, [], 0.0
-    while len(returns) < episodes:
-        action, *_, step = policy(params, obs, step)
-        action = np.asarray(action) if hasattr(space, "n") else np.clip(action, space.low, space.high)
-        obs, reward, terminated, truncated, info = envs.step(action)
-        episode_return += float(info.get("reward", reward)[0])
-        if terminated[0] or truncated[0]:
-            returns.append(episode_return)
-            episode_return = 0.0
-    return returns
+    params = jax.tree.map(lambda x: np.asarray(x)[None], params)  # the device axis the actors' rollout takes
+    env, returns = script.first_state(envs, handle, step=0), []
+    while len(returns) < episodes:  # the returns of the episodes that ended in each rollout, in order
+        env, batch = rollout(params, env)
+        batch = jax.device_get(batch)
+        returns += batch["episode_returns"][batch["dones"] & batch["valid"]].tolist()
+    return returns[:episodes]
 
 
 def main():

@@ -14,14 +14,13 @@ import scipy.stats
 import tyro
 from helpers import CARTPOLE, SCRIPTS, check, load_script, run, run_dirs, script_env
 
-# What the two scripts do differently on purpose: their arguments and checks, the actor's policy and rollout,
+# What the two scripts do differently on purpose: their arguments and checks, the actor's rollout (what it records),
 # the update and the optimiser. Everything else they define under the same name must stay identical.
 DIFFERENT_ON_PURPOSE = {
     "Args",
     "check_args",
     "derive_config",
-    "make_policy",
-    "Actors.rollout",
+    "make_rollout",
     "make_update",
     "init_train_state",
 }
@@ -207,3 +206,35 @@ def test_continuous_actions_are_stored_as_sampled(algo):
     dist, _ = script.forward(networks, params, rollout.batch["obs"][:8].reshape(32, 17))
     log_prob, _ = dist.log_prob_and_entropy(actions.reshape(32, 6))
     np.testing.assert_allclose(log_prob, rollout.batch["logprobs"].reshape(32), rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:.*precision lowered:UserWarning")  # EnvPool's float64 bounds (see the scripts)
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "HalfCheetah-v4"])
+def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, env_id):
+    """On a CPU the rollout is one compiled program with EnvPool stepping inside it; on a GPU a Python loop steps
+    the envs between jitted calls of the same functions (compile_rollout says why). CI has no GPU: here both run on
+    the CPU, from the same seed, and must collect the same batches (a Gaussian's log-probabilities may round apart
+    in the last bit: the policy is compiled into another program)."""
+    script = load_script(algo)
+    args = tyro.cli(script.Args, args=["--env-id", env_id, "--num-steps", "16"])
+    script.check_args(args)
+    cfg, spec = script.derive_config(args), envpool.make_spec(env_id)
+    networks = script.make_networks(spec.observation_space.shape, spec.action_space)
+    state, _, _ = script.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    batches = {}
+    for platform in ("cpu", "gpu"):
+        envs = script.make_env(env_id, 4, 0, args.seed)
+        handle, rollout = script.make_rollout(args, networks, envs, np.arange(4), platform)
+        env, batches[platform] = script.first_state(envs, handle, step=0), []
+        for _ in range(3):
+            env, batch = rollout(script.replica(state.params), env)
+            batches[platform].append(jax.device_get(batch))
+    for compiled, loop in zip(batches["cpu"], batches["gpu"], strict=True):
+        assert compiled.keys() == loop.keys()
+        for name in compiled:
+            if name == "logprobs":
+                np.testing.assert_allclose(loop[name], compiled[name], rtol=1e-6, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(loop[name], compiled[name], err_msg=name)
+    if env_id == "CartPole-v1":  # episode ends and EnvPool's reset steps are among the steps compared
+        assert all(batch["dones"].any() and not batch["valid"].all() for batch in batches["cpu"][1:])

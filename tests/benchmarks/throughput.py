@@ -61,6 +61,20 @@ CONFIGS = {
         repeats=3,
         platforms=("cpu", "gpu"),
     ),
+    "halfcheetah": dict(  # the README's MuJoCo batches (Gaussian policy, normalisation), one actor thread
+        ppo=[
+            *"--env-id HalfCheetah-v4 --local-num-envs 8 --num-actor-threads 1 --num-steps 256".split(),
+            *"--num-minibatches 32 --update-epochs 10 --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0".split(),
+        ],
+        impala=[
+            *"--env-id HalfCheetah-v4 --local-num-envs 16 --num-actor-threads 1 --num-steps 32".split(),
+            *"--num-minibatches 16 --learning-rate 6e-4 --rmsprop-eps 1e-5 --max-grad-norm 0.5 --ent-coef 0".split(),
+        ],
+        updates=dict(ppo=30, impala=150),
+        log_frequency=dict(ppo=2, impala=10),
+        repeats=3,
+        platforms=("cpu", "gpu"),
+    ),
     "breakout": dict(  # the default ResNet and hyperparameters on a small batch
         ppo=["--env-id", "Breakout-v5", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "32"],
         impala=["--env-id", "Breakout-v5", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "20"],
@@ -137,8 +151,11 @@ def env_ceiling(algo, args, num_threads: int, seconds: float) -> float:
     ]
     for pool in pools:
         pool.reset()
-    rng = np.random.default_rng(0)
-    actions = rng.integers(0, pools[0].action_space.n, (256, args.local_num_envs), dtype=np.int32)
+    rng, space = np.random.default_rng(0), pools[0].action_space
+    shape = (256, args.local_num_envs, *space.shape)
+    actions = (
+        rng.integers(0, space.n, shape, np.int32) if hasattr(space, "n") else rng.uniform(space.low, space.high, shape)
+    )
     steps = [0] * num_threads
 
     def work(i):
@@ -190,12 +207,13 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     env_sps = env_ceiling(algo, args, num_threads, seconds)
     actor_sps, first_rollouts = actor_alone(algo, args, cfg, networks, replica_params, rollouts=6)
 
-    # Inference: the actor's policy on one thread's observations, its actions brought to the host as the
-    # actor does. PPO also evaluates the last observation (the bootstrap value) once per rollout.
-    policy = algo.make_policy(args, networks, first_rollouts[0].env_ids)
-    obs = first_rollouts[0].batch["obs"][0]
-    step = jax.device_put(np.int32(0), cfg.actor_devices[0])
-    policy_first, policy_call = timed_calls(lambda: np.asarray(policy(replica_params, obs, step)[0]), seconds / 2, 20)
+    # Inference: the policy's forward pass and sampling on one thread's observations as a jitted call of its own, its
+    # actions brought to the host: the actor's per-step work before its rollout became one program (the yardstick
+    # the figures before and after that change share). PPO also evaluates the last observation once per rollout.
+    act = jax.jit(lambda params, obs, key: algo.forward(networks, params, obs)[0].sample(key))
+    params, obs = jax.tree.map(lambda x: x[0], replica_params), first_rollouts[0].batch["obs"][0]
+    key = jax.random.key(0)
+    policy_first, policy_call = timed_calls(lambda: np.asarray(act(params, obs, key)), seconds / 2, 20)
     calls_per_rollout = args.num_steps + (1 if algo_name == "ppo" else 0)
     inference_seconds = policy_call * calls_per_rollout * num_threads
 
