@@ -5,6 +5,8 @@
 #                            (2 workers, ~6 minutes on 2 CPU cores)
 #   mujoco                   PPO and IMPALA on HalfCheetah-v4, Hopper-v4 and Walker2d-v4, 3 seeds, 1M steps
 #                            (2 workers, ~28 minutes on 2 CPU cores)
+#   minigrid                 PPO on MiniGrid: MemoryS7 with and without an LSTM (--lstm-size 64), DoorKey-5x5
+#                            without, 3 seeds, 500k steps (2 workers, ~25 minutes on 2 CPU cores)
 #   results                  laptop, then mujoco: the README's results table. Then:
 #                            .venv/bin/python cleanba/aggregate.py runs --out results
 #   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
@@ -68,6 +70,18 @@ mujoco() {
   return $status
 }
 
+# MiniGrid (dict observations): PPO with 2 x 8 envs x 128 steps, 4 minibatches of whole 32-step chunks when recurrent.
+# MemoryS7 twice, the same settings but the memory: the cue is seen at the start, the choice made at the end.
+minigrid() {
+  local status=0 ppo="$PYTHON cleanba/cleanba_ppo.py --local-num-envs 8 --num-actor-threads 2 --learning-rate 1e-3
+    --total-timesteps 500000 --log-frequency 10"
+  launch --env-ids MiniGrid-MemoryS7-v0 --seeds $SEEDS --workers 2 --log-dir launch_logs/minigrid_lstm "$@" -- \
+    $ppo --exp-name ppo_lstm --lstm-size 64 || status=1
+  launch --env-ids MiniGrid-MemoryS7-v0 MiniGrid-DoorKey-5x5-v0 --seeds $SEEDS --workers 2 \
+    --log-dir launch_logs/minigrid "$@" -- $ppo --exp-name ppo || status=1
+  return $status
+}
+
 grid=${1:-}
 shift || true
 case "$grid" in
@@ -75,6 +89,8 @@ case "$grid" in
     classic_control "$@" ;;
   mujoco)
     mujoco "$@" ;;
+  minigrid)
+    minigrid "$@" ;;
   results)
     status=0
     classic_control "$@" || status=1

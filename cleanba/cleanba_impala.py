@@ -60,89 +60,50 @@ Runtime = Annotated[T, "runtime"]  # where the run executes and how it logs: a r
 
 @dataclasses.dataclass
 class Args:
-    exp_name: Algorithm[str] = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (part of the run name)"""
-    seed: Algorithm[int] = 1
-    """seed of the experiment: environments, action sampling, initialisation and minibatches"""
-    track: Runtime[bool] = False
-    """mirror the TensorBoard logs to Weights & Biases (honours WANDB_MODE=offline)"""
-    wandb_project_name: Runtime[str] = "cleanba"
-    """the Weights & Biases project"""
-    wandb_entity: Runtime[str | None] = None
-    """the Weights & Biases entity (team); None uses your default"""
-    save_model: Runtime[bool] = False
-    """save the final parameters to the run directory (cleanba/evaluate.py plays episodes with them)"""
-    log_frequency: Runtime[int] = 10
-    """log to TensorBoard and the console every this many updates"""
-    run_name: Runtime[str | None] = None
-    """directory under runs/; by default env id, exp name, seed and a config hash: the same command resumes the run"""
-    resume: Runtime[bool] = True
-    """resume from runs/<run_name>/checkpoint.msgpack when it exists; --no-resume starts over"""
-    checkpoint_interval: Runtime[int] = 100
-    """write a checkpoint every this many updates (0: none by count; --checkpoint-minutes still applies)"""
-    checkpoint_minutes: Runtime[float] = 15.0
-    """also write a checkpoint when this many minutes have passed since the last one"""
-    compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"
-    """JAX's persistent compilation cache: a resumed or requeued run skips compiling what it compiled (None: off)"""
+    exp_name: Algorithm[str] = os.path.basename(__file__)[: -len(".py")]  # this experiment's name (in the run name)
+    seed: Algorithm[int] = 1  # seed of the experiment: environments, action sampling, initialisation and minibatches
+    track: Runtime[bool] = False  # mirror the TensorBoard logs to Weights & Biases (honours WANDB_MODE=offline)
+    wandb_project_name: Runtime[str] = "cleanba"  # the Weights & Biases project
+    wandb_entity: Runtime[str | None] = None  # the Weights & Biases entity (team); None uses your default
+    save_model: Runtime[bool] = False  # save the final parameters in the run directory (for cleanba/evaluate.py)
+    log_frequency: Runtime[int] = 10  # log to TensorBoard and the console every this many updates
+    run_name: Runtime[str | None] = None  # under runs/; default: env id, exp name, seed, config hash (a rerun resumes)
+    resume: Runtime[bool] = True  # resume from runs/<run_name>/checkpoint.msgpack if it exists; --no-resume: start over
+    checkpoint_interval: Runtime[int] = 100  # checkpoint every this many updates (0: by --checkpoint-minutes only)
+    checkpoint_minutes: Runtime[float] = 15.0  # also write a checkpoint this many minutes after the last one
+    compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"  # resumed runs skip compiling (None: off)
     # The algorithm's defaults are the paper's Atari settings.
-    env_id: Algorithm[str] = "Breakout-v5"
-    """an EnvPool id: frames (Atari `*-v5`) get the ResNet, vectors an MLP; discrete actions a categorical policy,
-    continuous ones (MuJoCo: HalfCheetah-v4) a diagonal Gaussian"""
-    total_timesteps: Algorithm[int] = 50_000_000
-    """total environment steps over all environments (agent steps, not Atari frames)"""
-    learning_rate: Algorithm[float] = 6e-4
-    """RMSProp's learning rate"""
-    anneal_lr: Algorithm[bool] = True
-    """anneal the learning rate linearly to 0 over the run"""
-    local_num_envs: Runtime[int] = 64
-    """environments per actor thread (their global number is part of the algorithm, their split is not)"""
-    num_steps: Algorithm[int] = 20
-    """steps per environment in each rollout (the V-trace unroll length)"""
-    gamma: Algorithm[float] = 0.99
-    """discount factor"""
-    norm_obs: Algorithm[bool | None] = None
-    """normalise observations by their running mean and std over all envs; None: on for continuous actions"""
-    norm_reward: Algorithm[bool | None] = None
-    """divide rewards by the running std of a discounted return; None: on for continuous actions"""
-    vtrace_lambda: Algorithm[float] = 1.0
-    """lambda of V-trace's truncated importance-weighted returns"""
-    clip_rho_threshold: Algorithm[float] = 1.0
-    """V-trace's clipping of the importance ratios in the value targets (rho bar)"""
-    clip_pg_rho_threshold: Algorithm[float] = 1.0
-    """V-trace's clipping of the importance ratios in the policy-gradient advantages"""
-    num_minibatches: Algorithm[int] = 4
-    """minibatches per batch, split along the environment axis; one gradient step each"""
-    ent_coef: Algorithm[float] = 0.01
-    """entropy bonus coefficient"""
-    vf_coef: Algorithm[float] = 0.5
-    """value loss coefficient"""
-    max_grad_norm: Algorithm[float] = 40.0
-    """global gradient-norm clipping threshold"""
-    rmsprop_eps: Algorithm[float] = 0.01
-    """RMSProp's epsilon (inside the square root, as in the IMPALA paper's TensorFlow RMSProp)"""
-    rmsprop_decay: Algorithm[float] = 0.99
-    """RMSProp's decay of the squared-gradient average"""
-    concurrency: Algorithm[bool] = True
-    """Cleanba architecture (actor one policy version behind, overlapping the learner) instead of synchronous"""
+    env_id: Algorithm[str] = "Breakout-v5"  # an EnvPool id: Atari (*-v5), MuJoCo (HalfCheetah-v4), MiniGrid, CartPole
+    total_timesteps: Algorithm[int] = 50_000_000  # environment steps over all environments (not Atari frames)
+    learning_rate: Algorithm[float] = 6e-4  # RMSProp's learning rate
+    anneal_lr: Algorithm[bool] = True  # anneal the learning rate linearly to 0 over the run
+    local_num_envs: Runtime[int] = 64  # environments per actor thread (their total is the algorithm's, their split not)
+    num_steps: Algorithm[int] = 20  # steps per environment in each rollout (the V-trace unroll length)
+    gamma: Algorithm[float] = 0.99  # discount factor
+    frame_stack: Algorithm[int] = 4  # Atari: frames per observation (EnvPool's stack_num); 1 hides motion (--lstm-size)
+    lstm_size: Algorithm[int] = 0  # units of an LSTM core after the torso: a memory for partial observability; 0: none
+    norm_obs: Algorithm[bool | None] = None  # normalise observations by running mean and std; None: if continuous
+    norm_reward: Algorithm[bool | None] = None  # divide rewards by a discounted return's std; None: if continuous
+    vtrace_lambda: Algorithm[float] = 1.0  # lambda of V-trace's truncated importance-weighted returns
+    clip_rho_threshold: Algorithm[float] = 1.0  # V-trace's clipping of the importance ratios in the value targets
+    clip_pg_rho_threshold: Algorithm[float] = 1.0  # V-trace's clipping of the ratios in the policy-gradient advantages
+    num_minibatches: Algorithm[int] = 4  # minibatches per batch, split along the env axis; one gradient step each
+    ent_coef: Algorithm[float] = 0.01  # entropy bonus coefficient
+    vf_coef: Algorithm[float] = 0.5  # value loss coefficient
+    max_grad_norm: Algorithm[float] = 40.0  # global gradient-norm clipping threshold
+    rmsprop_eps: Algorithm[float] = 0.01  # RMSProp's epsilon (inside the square root, as TensorFlow's in the paper)
+    rmsprop_decay: Algorithm[float] = 0.99  # RMSProp's decay of the squared-gradient average
+    concurrency: Algorithm[bool] = True  # Cleanba's architecture (actors a version behind, overlapping the learner)
     # The layout: where the run executes, never what it computes.
-    actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])
-    """local device ids that run the actors' inference"""
-    learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])
-    """local device ids of the data-parallel learner"""
-    num_actor_threads: Runtime[int] = 2
-    """actor threads per actor device, each with its own environment pool"""
-    distributed: Runtime[bool] = False
-    """run as one of several processes with jax.distributed (SLURM's environment is read automatically)"""
-    coordinator_address: Runtime[str | None] = None
-    """with --distributed outside SLURM: host:port of process 0 (or set JAX_COORDINATOR_ADDRESS)"""
-    num_processes: Runtime[int | None] = None
-    """with --distributed outside SLURM: the number of processes"""
-    process_id: Runtime[int | None] = None
-    """with --distributed outside SLURM: this process's rank"""
-    heartbeat_timeout: Runtime[int] = 100
-    """with --distributed: seconds after which the others give up on a process that died (they exit non-zero)"""
-    env_threads: Runtime[int] = 0
-    """EnvPool worker threads per actor thread; 0: an equal share of the CPUs this process may use, pinned to them"""
+    actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
+    learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # data-parallel learner
+    num_actor_threads: Runtime[int] = 2  # actor threads per actor device, each with its own environment pool
+    distributed: Runtime[bool] = False  # one of several processes of jax.distributed (SLURM's environment is read)
+    coordinator_address: Runtime[str | None] = None  # --distributed outside SLURM: process 0's host:port
+    num_processes: Runtime[int | None] = None  # --distributed outside SLURM: the number of processes
+    process_id: Runtime[int | None] = None  # --distributed outside SLURM: this process's rank
+    heartbeat_timeout: Runtime[int] = 100  # --distributed: seconds before the others give up on a dead process
+    env_threads: Runtime[int] = 0  # EnvPool threads per actor thread; 0: a pinned, equal share of this process's CPUs
 
 
 class Config(NamedTuple):
@@ -169,7 +130,7 @@ def check_args(args: Args):
     for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["checkpoint_interval", "env_threads"]:  # 0: none by count; automatic
+    for name in ["checkpoint_interval", "env_threads", "lstm_size"]:  # 0: none by count; automatic; no core
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
@@ -181,7 +142,17 @@ def check_args(args: Args):
         raise ConfigError("--gamma and --vtrace-lambda must lie in [0, 1]")
     if args.env_id not in envpool.list_all_envs():
         raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
-    continuous = not hasattr(envpool.make_spec(args.env_id).action_space, "n")  # MuJoCo: normalisation matters
+    if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
+        raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
+    spec = envpool.make_spec(args.env_id)
+    continuous = not hasattr(spec.action_space, "n")  # MuJoCo: normalisation matters
+    space = spec.observation_space  # what make_networks encodes: a vector, an image, or a dict of them (MiniGrid)
+    parts = list(space.spaces.values()) if hasattr(space, "spaces") else [space]
+    if not all(len(part.shape or ()) in (1, 3) or (hasattr(part, "n") and part is not space) for part in parts):
+        what = "vectors, images and dicts of them and of discrete values"
+        raise ConfigError(f"--env-id {args.env_id}: the scripts encode {what}, not {space}")
+    if args.norm_obs and len(parts) > 1:
+        raise ConfigError("--norm-obs normalises a vector observation, not a dict of them")
     args.norm_obs = continuous if args.norm_obs is None else args.norm_obs
     args.norm_reward = continuous if args.norm_reward is None else args.norm_reward
 
@@ -215,9 +186,8 @@ def derive_config(args: Args) -> Config:
     return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
 
 
-# The run's random streams: each is a key folded from --seed alone, then with indices that do not depend on the
-# layout: actions with (step, global env index), minibatches with (update, epoch or group, global env index);
-# initialisation splits its key over the torso and the two heads.
+# The run's random streams: keys folded from --seed, then with indices free of the layout: actions with (step, global
+# env), minibatches with (update, epoch or group, global env); initialisation splits into torso and heads, core: 3.
 ACTIONS, MINIBATCHES, INITIALISATION = 0, 1, 3  # fixed numbers: every result depends on them
 
 
@@ -232,71 +202,90 @@ def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
     return dict(num_threads=share, thread_affinity_offset=cpus[first] if consecutive else -1)
 
 
-def make_env(env_id: str, num_envs: int, first_env_index: int, seed: int, **threads):
+def env_options(args: Args) -> dict:
+    """EnvPool's options for --env-id, its spec's and its pools'; Atari: Machado et al.'s (2018) evaluation protocol."""
+    if not args.env_id.endswith("-v5"):
+        return {}
+    return dict(
+        episodic_life=False,  # no life-loss signal
+        repeat_action_probability=0.25,  # sticky actions
+        full_action_space=True,
+        noop_max=1,  # no no-op starts: sticky actions are the source of stochasticity
+        max_episode_steps=108_000 // 4,  # 108,000 frames at frame skip 4
+        reward_clip=True,  # the unclipped reward is in info["reward"] for logging
+        stack_num=args.frame_stack,
+    )
+
+
+def make_env(args: Args, num_envs: int, first_env_index: int, **threads):
     # EnvPool seeds env i of a pool with (pool seed) + i, so env g gets the same seed wherever it runs; each --seed
     # has its own block of 2^20 envs (EnvPool's seeds have 31 bits), so runs with seeds 1, 2, 3 share no env.
-    seed = (seed * 2**20 + first_env_index) % 2**31
-    if env_id.endswith("-v5"):  # Atari: the evaluation protocol of Machado et al. (2018)
-        return envpool.make(
-            env_id,
-            env_type="gym",
-            num_envs=num_envs,
-            seed=seed,
-            episodic_life=False,  # no life-loss signal
-            repeat_action_probability=0.25,  # sticky actions
-            full_action_space=True,
-            noop_max=1,  # no no-op starts: sticky actions are the source of stochasticity
-            max_episode_steps=108_000 // 4,  # 108,000 frames at frame skip 4
-            reward_clip=True,  # the unclipped reward is in info["reward"] for logging
-            **threads,
-        )
-    return envpool.make(env_id, env_type="gym", num_envs=num_envs, seed=seed, **threads)
-
-
-class ResidualBlock(nn.Module):
-    channels: int
-
-    @nn.compact
-    def __call__(self, x):
-        inputs = x
-        x = nn.Conv(self.channels, kernel_size=(3, 3))(nn.relu(x))
-        x = nn.Conv(self.channels, kernel_size=(3, 3))(nn.relu(x))
-        return x + inputs
+    seed = (args.seed * 2**20 + first_env_index) % 2**31
+    return envpool.make(args.env_id, env_type="gym", num_envs=num_envs, seed=seed, **env_options(args), **threads)
 
 
 class ResNet(nn.Module):
-    """The IMPALA network (Espeholt et al., 2018): three conv stacks, then a 256-unit layer."""
-
-    channels: tuple = (16, 32, 32)
-    hidden: int = 256
+    """The IMPALA network (Espeholt et al., 2018): three conv stacks of two residual blocks, then a 256-unit layer."""
 
     @nn.compact
     def __call__(self, x):
         x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # EnvPool frames are NCHW uint8
-        for channels in self.channels:
+        for channels in (16, 32, 32):
             x = nn.Conv(channels, kernel_size=(3, 3))(x)
             x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
-            x = ResidualBlock(channels)(ResidualBlock(channels)(x))
+            for _ in range(2):  # a residual block
+                block = nn.Conv(channels, kernel_size=(3, 3))(nn.relu(x))
+                x = x + nn.Conv(channels, kernel_size=(3, 3))(nn.relu(block))
         x = nn.relu(x.reshape((x.shape[0], -1)))
-        x = nn.relu(nn.Dense(self.hidden)(x))
+        x = nn.relu(nn.Dense(256)(x))
         return x, x  # shared by the policy and the value heads
 
 
 class MLP(nn.Module):
-    """Two 64-unit tanh towers, one for the policy and one for the value, as in CleanRL's classic-control
-    PPO: with returns in the hundreds, a shared torso's gradient is swamped by the value loss."""
+    """Two 64-unit tanh towers, for the policy and the value (CleanRL's classic-control PPO: with returns in the
+    hundreds, a shared torso's gradient is swamped by the value loss). A dict (MiniGrid's) is encoded key by key: a grid
+    by the MiniGrid authors' small CNN (rl-starter-files), a discrete value one-hot, a vector as it is."""
 
-    hidden: int = 64
+    discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, obs):
         def tower(x):
             for _ in range(2):
-                x = nn.tanh(nn.Dense(self.hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+                x = nn.tanh(nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
             return x
 
-        x = x.astype(jnp.float32)
+        features, parts = [], [x for _, x in sorted(obs.items())] if isinstance(obs, dict) else [obs]
+        for x, n in zip(parts, self.discrete_sizes, strict=True):
+            if n:
+                features.append(jax.nn.one_hot(x, n))
+            elif x.ndim == 4:
+                x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(x.astype(jnp.float32)))
+                x = nn.max_pool(x, (2, 2), strides=(2, 2))
+                for channels in (32, 64):
+                    x = nn.relu(nn.Conv(channels, (2, 2), padding="VALID")(x))
+                features.append(x.reshape(x.shape[0], -1))
+            else:
+                features.append(x / 255.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32))
+        x = jnp.concatenate(features, axis=-1)
         return tower(x), tower(x)
+
+
+class LSTMCore(nn.Module):
+    """An LSTM over each env's sequence (time-major): its state (envs, 2, size) is zeroed after each flagged step."""
+
+    size: int
+
+    @nn.compact
+    def __call__(self, state, x, reset_after):
+        def step(cell, carry, inputs):
+            x, reset = inputs
+            carry, y = cell(carry, x)
+            return jax.tree.map(lambda part: jnp.where(reset[:, None], 0.0, part), carry), y
+
+        scan = nn.scan(step, variable_broadcast="params", split_rngs={"params": False})
+        (c, h), y = scan(nn.OptimizedLSTMCell(self.size), (state[:, 0], state[:, 1]), (x, reset_after))
+        return y, jnp.stack([c, h], axis=1)
 
 
 class Categorical(NamedTuple):
@@ -339,33 +328,42 @@ class Actor(nn.Module):
         return DiagonalGaussian(out, jnp.broadcast_to(log_std, out.shape))
 
 
-class Critic(nn.Module):
-    @nn.compact
-    def __call__(self, hidden):
-        return nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(hidden).squeeze(-1)
-
-
 class Networks(NamedTuple):
     torso: nn.Module
+    core: nn.Module | None  # --lstm-size's LSTM, or none
     actor: nn.Module
-    critic: nn.Module
+    critic: nn.Module  # the value: a linear layer
 
 
-def make_networks(observation_shape, action_space) -> Networks:
-    """The torso follows the observation (frames: the ResNet, vectors: the MLP), the policy head the action space."""
-    continuous = not hasattr(action_space, "n")
-    actor = Actor(action_space.shape[0] if continuous else action_space.n, continuous)
-    return Networks(ResNet() if len(observation_shape) == 3 else MLP(), actor, Critic())
+def make_networks(args: Args, spec) -> Networks:
+    """The torso follows the observation space (frames: the ResNet, vectors and dicts: the MLP), the policy the
+    action space (discrete: a categorical, continuous: a diagonal Gaussian); --lstm-size puts an LSTM between them."""
+    space, actions, continuous = spec.observation_space, spec.action_space, not hasattr(spec.action_space, "n")
+    if hasattr(space, "spaces"):  # a dict
+        torso = MLP(tuple(getattr(part, "n", 0) for _, part in sorted(space.spaces.items())))
+    else:
+        torso = ResNet() if len(space.shape) == 3 else MLP()
+    core = LSTMCore(args.lstm_size) if args.lstm_size else None
+    actor = Actor(actions.shape[0] if continuous else actions.n, continuous)
+    return Networks(torso, core, actor, nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0)))
 
 
-def forward(networks: Networks, params, obs):
-    """(Action distribution, value); with --norm-obs of observations normalised by params["obs_stats"], set by the
-    learner (not by gradients) and clipped to +-10 as in CleanRL's MuJoCo wrappers."""
+def forward(networks: Networks, params, obs, core_state, reset_after):
+    """(Action distribution, value, core state) for observations (time, envs, ...). A core runs each env's sequence from
+    `core_state` (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps). --norm-obs: by
+    params["obs_stats"] (the learner's, not gradients'), clipped to +-10 as in CleanRL's MuJoCo wrappers."""
     if "obs_stats" in params:
         stats = jax.lax.stop_gradient(params["obs_stats"])
         obs = jnp.clip((obs - stats["mean"]) / jnp.sqrt(stats["var"] + 1e-8), -10.0, 10.0)
-    policy_hidden, value_hidden = networks.torso.apply(params["torso"], obs)
-    return networks.actor.apply(params["actor"], policy_hidden), networks.critic.apply(params["critic"], value_hidden)
+    time, envs = reset_after.shape
+    merge, split = lambda x: x.reshape(time * envs, *x.shape[2:]), lambda x: x.reshape(time, envs, *x.shape[1:])  # noqa: E731
+    policy_hidden, value_hidden = networks.torso.apply(params["torso"], jax.tree.map(merge, obs))
+    if networks.core:  # one memory of both towers (the ResNet's two are one) for both heads
+        hidden = jnp.concatenate([policy_hidden, value_hidden], axis=-1)
+        hidden, core_state = networks.core.apply(params["core"], core_state, split(hidden), reset_after)
+        policy_hidden = value_hidden = merge(hidden)
+    dist = jax.tree.map(split, networks.actor.apply(params["actor"], policy_hidden))
+    return dist, split(networks.critic.apply(params["critic"], value_hidden)[:, 0]), core_state
 
 
 @contextlib.contextmanager
@@ -406,6 +404,7 @@ class EnvState(NamedTuple):
     episode_length: jax.Array
     discounted_return: jax.Array  # --norm-reward's statistic, each env's own
     step: jax.Array  # the actor's step counter: actions are sampled with a key of (step, global env index)
+    core: jax.Array  # the policy's core state before this step (envs, 2, --lstm-size), what the learner replays from
 
 
 def to_float32(tree):  # EnvPool's float64 (MuJoCo) as JAX computes without x64
@@ -414,8 +413,8 @@ def to_float32(tree):  # EnvPool's float64 (MuJoCo) as JAX computes without x64
 
 def env_step_op(envs, platform: str):
     """(A handle, the envs' step) for a rollout on an actor device of `platform`: on a CPU, EnvPool's own XLA operation
-    (envs.xla()), which a jitted program runs; elsewhere EnvPool's Python step on host arrays. MuJoCo takes and
-    returns float64, which JAX only traces with x64 on: the operation is traced so, and both give float32 back."""
+    (envs.xla()), which a jitted program runs; elsewhere EnvPool's Python step on host arrays. MuJoCo takes and returns
+    float64, which JAX only traces with x64 on: the operation is traced so, and both give float32 back."""
     action_dtype = envs.spec.action_array_spec["action"].dtype
     if platform != "cpu":
 
@@ -435,10 +434,11 @@ def env_step_op(envs, platform: str):
     return handle, xla_env_step
 
 
-def first_state(envs, handle, step: int) -> EnvState:
-    """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on."""
+def first_state(envs, handle, step: int, core_size: int) -> EnvState:
+    """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on, their core's zero."""
     (obs, _), zeros = envs.reset(), np.zeros(envs.config["num_envs"], np.float32)
-    return EnvState(handle, to_float32(obs), zeros.astype(bool), zeros, zeros.astype(np.int32), zeros, np.int32(step))
+    core = np.zeros((len(zeros), 2, core_size), np.float32)
+    return EnvState(handle, to_float32(obs), zeros > 0, zeros, zeros.astype(np.int32), zeros, np.int32(step), core)
 
 
 def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]:
@@ -453,20 +453,19 @@ def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]
     record.update(episode_lengths=jnp.where(done, episode_length, 0))
     ended = lambda x: jnp.where(done, 0, x)  # noqa: E731 (the sums of an episode that ended start over)
     sums = ended(episode_return), ended(episode_length), ended(discounted_return)
-    return EnvState(handle, next_obs, done, *sums, env.step + 1), record
+    return EnvState(handle, next_obs, done, *sums, env.step + 1, env.core), record
 
 
 def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
-    """The rollout: num_steps of `act`, `env_step` and `observe`, then `bootstrap`; from a learner replica's parameters
-    and the envs' state to their next state and the batch, time-major: (num_steps, envs, ...). On a CPU, one jitted
-    program (EnvPool steps inside a lax.scan: no Python per step). On a GPU that scan gave wrong observations and
-    episode ends (EnvPool's operation or a JAX host callback in it: README, "GPUs"), so a Python loop steps the envs
-    between jitted calls of the same functions there; tests/test_scripts.py checks that both collect the same."""
+    """The rollout: num_steps of `act`, `env_step` and `observe`, then `bootstrap`, from a learner replica's params and
+    the envs' state to their next state and the time-major batch (num_steps, envs, ...). On a CPU, one jitted program
+    (EnvPool steps inside a lax.scan). On a GPU that scan gave wrong observations and episode ends (README, "GPUs"), so
+    a Python loop steps the envs between jitted calls of the same functions; tests/test_scripts.py checks both agree."""
 
     def step(params, env: EnvState, _):
-        action, policy = act(params, env)
+        action, policy, core = act(params, env)
         handle, outputs = env_step(env.handle, action)
-        env, record = observe(args, env, handle, outputs)
+        env, record = observe(args, env._replace(core=core), handle, outputs)
         return env, {**policy, **record}
 
     if platform == "cpu":
@@ -478,17 +477,16 @@ def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
             return env, bootstrap(params, env, batch)
 
         return rollout
-    act_on_device, observe_on_device = jax.jit(act), jax.jit(functools.partial(observe, args))
-    bootstrap_on_device = jax.jit(bootstrap)
+    jitted_act, jitted_observe, jitted_bootstrap = map(jax.jit, (act, functools.partial(observe, args), bootstrap))
 
     def rollout_loop(replica_params, env: EnvState):
         params, records = jax.tree.map(lambda x: x[0], replica_params), []
         for _ in range(args.num_steps):
-            action, policy = act_on_device(params, env)
+            action, policy, core = jitted_act(params, env)
             handle, outputs = env_step(env.handle, action)
-            env, record = observe_on_device(env, handle, outputs)
+            env, record = jitted_observe(env._replace(core=core), handle, outputs)
             records.append({**policy, **record})
-        return env, bootstrap_on_device(params, env, jax.tree.map(lambda *steps: jnp.stack(steps), *records))
+        return env, jitted_bootstrap(params, env, jax.tree.map(lambda *steps: jnp.stack(steps), *records))
 
     return rollout_loop
 
@@ -499,18 +497,20 @@ def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, plat
     handle, env_step = env_step_op(envs, platform)
     space = envs.action_space
 
-    def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy)
-        dist, _ = forward(networks, params, env.obs)
+    def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy, the next core state)
+        obs = jax.tree.map(lambda x: x[None], env.obs)  # a sequence of one step
+        dist, _, core = forward(networks, params, obs, env.core, env.done[None])
+        dist = jax.tree.map(lambda x: x[0], dist)
         # One key per (environment, step): the sampled actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, env.step)
         action = jax.vmap(lambda dist, g: dist.sample(jax.random.fold_in(step_key, g)))(dist, env_ids)
         # The behaviour policy's log-probabilities: V-trace's importance ratios are against them.
-        policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0])
+        policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0], core_states=env.core)
         # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
-        return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy
+        return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy, core
 
     def bootstrap(params, env: EnvState, batch):  # num_steps + 1 observations: the learner bootstraps from the last one
-        return {**batch, "obs": jnp.concatenate([batch["obs"], env.obs[None]])}
+        return {**batch, "obs": jax.tree.map(lambda x, last: jnp.concatenate([x, last[None]]), batch["obs"], env.obs)}
 
     return handle, compile_rollout(args, act, env_step, bootstrap, platform)
 
@@ -546,12 +546,11 @@ class Actors:
     def rollout(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
         """One actor thread: a rollout per update, with the parameters the learner published for it."""
         args, num_envs = self.args, self.args.local_num_envs
-        first_env_index = self.cfg.env_offset + thread_id * num_envs
+        env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
         threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
-        envs = make_env(args.env_id, num_envs, first_env_index, args.seed, **threads)
-        env_ids = np.arange(first_env_index, first_env_index + num_envs)
+        envs = make_env(args, num_envs, int(env_ids[0]), **threads)
         handle, rollout = make_rollout(args, self.networks, envs, env_ids, device.platform)
-        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps), device)
+        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, args.lstm_size), device)
         for update in range(self.start_update + 1, self.cfg.num_updates + 1):
             timings = {}
             if thread_id == 0 and fault_injected("actor", update):
@@ -596,8 +595,8 @@ def check_version_contract(rollouts: list[Rollout], update: int, first_update: i
 
 
 def batch_fingerprint(batch, env_ids):
-    """A 32-bit checksum of the batch (observations, actions, rewards, episode ends): per env a position-weighted,
-    mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact and order-free, so layout-free."""
+    """A 32-bit checksum of the batch's exact fields (observations, actions, rewards, episode ends): per env a position-
+    weighted, mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact, order-free, so layout-free."""
 
     def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
         x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
@@ -606,8 +605,9 @@ def batch_fingerprint(batch, env_ids):
         return jnp.sum(x * weights, axis=1, dtype=jnp.uint32)
 
     h = env_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
-    for salt, name in enumerate(["obs", "actions", "rewards", "dones"]):
-        h = h * jnp.uint32(31) + column_checksums(batch[name], salt)
+    # Not the core states: floats each actor layout rounds its own way (the losses, replayed from them, are compared).
+    for salt, x in enumerate(jax.tree.leaves([batch[name] for name in ["obs", "actions", "rewards", "dones"]])):
+        h = h * jnp.uint32(31) + column_checksums(x, salt)
     for shift, multiplier in [(16, 0x85EBCA6B), (13, 0xC2B2AE35)]:
         h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
     h = h ^ (h >> 16)
@@ -677,10 +677,10 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             outputs.append(output)
         return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
 
-    def impala_loss(params, mb, count):
-        steps_plus_one, num_envs = mb["obs"].shape[:2]
-        dist, values = forward(networks, params, mb["obs"].reshape(-1, *mb["obs"].shape[2:]))
-        dist, values = jax.tree.map(lambda x: x.reshape(steps_plus_one, num_envs, *x.shape[1:]), (dist, values))
+    def impala_loss(params, mb, count):  # mb: (T, envs, ...), and T + 1 observations
+        # Each env's unroll replayed from its recorded core state (IMPALA's and moolib's way), the bootstrap step too.
+        reset_after = jnp.concatenate([mb["valid"] == 0, jnp.zeros_like(mb["valid"][:1], bool)])
+        dist, values, _ = forward(networks, params, mb["obs"], mb["core_states"][0], reset_after)
         new_logprobs, entropy = jax.tree.map(lambda x: x[:-1], dist).log_prob_and_entropy(mb["actions"])
         logratio = new_logprobs - mb["logprobs"]  # against the behaviour policy that collected the data
         rhos = jax.lax.stop_gradient(jnp.exp(logratio))
@@ -699,6 +699,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         rewards, stats = normalisation(state.params, batch)
         data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"], rewards=rewards)
         data.update(terminations=batch["terminations"].astype(jnp.float32), valid=batch["valid"].astype(jnp.float32))
+        data.update(core_states=batch["core_states"])
         groups = (env_ids := batch["env_ids"]).reshape(-1, M)[:, 0] // M  # global index of each group of M envs
         update_key = jax.random.fold_in(minibatch_key, update_index)
         order = jax.vmap(lambda group: jax.random.permutation(jax.random.fold_in(update_key, group), M))(groups)
@@ -724,9 +725,8 @@ def replicate(tree, cfg: Config):
     """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
     mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
-    local_shape = lambda x: (len(cfg.local_learner_devices), *np.shape(x))  # noqa: E731
-    place = lambda x: jax.make_array_from_process_local_data(sharding, np.broadcast_to(x, local_shape(x)))  # noqa: E731
-    return jax.tree.map(place, tree)
+    local = lambda x: np.broadcast_to(x, (len(cfg.local_learner_devices), *np.shape(x)))  # noqa: E731
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, local(x)), tree)
 
 
 def replica(tree):
@@ -739,12 +739,12 @@ def to_host(tree):
     return jax.tree.map(lambda x: x[0], jax.device_get(replica(tree)))
 
 
-def collate(rollouts: list[Rollout], num_local_learners: int) -> dict:
+def collate(rollouts: list[Rollout], devices: int) -> dict:
     """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
-    batch = {k: np.concatenate([r.batch[k] for r in rollouts], axis=1) for k in rollouts[0].batch}
-    split = lambda x: np.moveaxis(x.reshape(x.shape[0], num_local_learners, -1, *x.shape[2:]), 1, 0)  # noqa: E731
-    batch = {k: split(v) for k, v in batch.items()}
-    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(num_local_learners, -1)
+    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *[r.batch for r in rollouts])
+    split = lambda x: np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)  # noqa: E731
+    batch = jax.tree.map(split, batch)  # (no -1 in the shape: a run without a core records states of size 0)
+    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
     return batch
 
 
@@ -856,17 +856,16 @@ class RunDir:
         actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
         learning_rate = self.schedule(int(to_host(state.step))) if callable(self.schedule) else self.schedule
         scalars = {"charts/SPS": sps, "charts/learning_rate": float(learning_rate), "stats/update": update}
-        (episodes, return_sum, length_sum), self.episodes = self.episodes, np.zeros(3)
+        (episodes, returns, lengths), self.episodes = self.episodes, np.zeros(3)  # sums over the episodes that ended
         if episodes:
-            scalars.update({"charts/episodic_return": return_sum / episodes})
-            scalars.update({"charts/episodic_length": length_sum / episodes})
+            scalars.update({"charts/episodic_return": returns / episodes, "charts/episodic_length": lengths / episodes})
         scalars.update({"stats/actor_policy_version": data_version, "stats/learner_policy_version": update})
         scalars.update({f"losses/{name}": value for name, value in record["losses"].items()})
         scalars.update({f"stats/{name}": seconds for name, seconds in {**actor_timings, **timings}.items()})
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
-        recent = f"{return_sum / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
+        recent = f"{returns / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
         learner_wait, actor_wait = timings["rollout_queue_get_time"], actor_timings.get("params_queue_get_time", 0)
         waits = f"waits: learner {learner_wait:.2f}s, actors {actor_wait:.2f}s"  # the side that waits more is faster
         progress = f"update {update}/{self.cfg.num_updates} | step {step:,} | SPS {sps:,} | return {recent}"
@@ -891,12 +890,6 @@ class RunDir:
             os._exit(137)  # killed between the write and the rename
         os.replace(f"{self.path}/checkpoint.msgpack.tmp", f"{self.path}/checkpoint.msgpack")
 
-    def save_model(self, params):
-        """The parameters (normalisation statistics included); cleanba/evaluate.py plays episodes with them."""
-        with open(path := f"{self.path}/{self.args.exp_name}.cleanba_model", "wb") as f:
-            f.write(flax.serialization.to_bytes(params))
-        print(f"model saved to {path} (evaluate: cleanba/evaluate.py {self.path})")
-
     def close(self, finished: bool):
         if self.active:
             self.writer.close()
@@ -909,11 +902,18 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
     """(Parameters from --seed or the checkpoint, and the optimiser, on the learner devices; start update; schedule)"""
     initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
     torso_key, actor_key, critic_key = jax.random.split(initialisation_key, 3)
-    dummy_obs = np.zeros((1, *observation_space.shape), dtype=observation_space.dtype)
+    dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
     torso_params = networks.torso.init(torso_key, dummy_obs)
     policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
-    params = dict(torso=torso_params, actor=networks.actor.init(actor_key, policy_hidden))
-    params.update(critic=networks.critic.init(critic_key, value_hidden))
+    params = dict(torso=torso_params)
+    if networks.core:  # a stream of its own (the other keys are those of a run without a core); it feeds both heads
+        core_key, size = jax.random.fold_in(initialisation_key, 3), networks.core.size
+        both_towers = np.zeros((1, 1, policy_hidden.shape[-1] + value_hidden.shape[-1]), np.float32)
+        params["core"] = networks.core.init(core_key, np.zeros((1, 2, size)), both_towers, np.zeros((1, 1), bool))
+        policy_hidden = value_hidden = np.zeros((1, size), np.float32)
+    params.update(
+        actor=networks.actor.init(actor_key, policy_hidden), critic=networks.critic.init(critic_key, value_hidden)
+    )
     stats = lambda shape: dict(mean=np.zeros(shape, np.float32), var=np.ones(shape, np.float32), count=np.float32(1e-4))  # noqa: E731
     params.update({"obs_stats": stats(observation_space.shape)} if args.norm_obs else {})
     params.update({"return_stats": stats(())} if args.norm_reward else {})
@@ -942,8 +942,10 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: li
         by = signal.Signals(signals[0]).name if signals else "another process"
         resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
         print(f"stopped by {by} after update {update} (global step {update * cfg.batch_size:,}); {resume}")
-    if cfg.rank == 0 and args.save_model and not actors.failures and not preempted:
-        run_dir.save_model(to_host(state.params))
+    if cfg.rank == 0 and args.save_model and not actors.failures and not preempted:  # for cleanba/evaluate.py
+        with open(path := f"{run_dir.path}/{args.exp_name}.cleanba_model", "wb") as f:
+            f.write(flax.serialization.to_bytes(to_host(state.params)))  # normalisation statistics included
+        print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_dir.path})")
     run_dir.close(finished=not actors.failures and not preempted)
     if actors.failures and args.distributed:
         sys.stderr.flush()
@@ -960,8 +962,7 @@ def main(args: Args):
     if checkpoint and checkpoint["update"] == cfg.num_updates:
         other = "--no-resume starts it over, --run-name or --seed starts another"
         return print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({other})")
-    spec = envpool.make_spec(args.env_id)
-    networks = make_networks(spec.observation_space.shape, spec.action_space)
+    networks = make_networks(args, spec := envpool.make_spec(args.env_id, **env_options(args)))
     state, start_update, schedule = init_train_state(args, cfg, networks, spec.observation_space, checkpoint)
     run_dir = RunDir(args, cfg, run_name, start_update, schedule)
     update_fn = make_update(args, cfg, networks)

@@ -5,8 +5,9 @@
 The run's config.json names its script and arguments: this tool loads the script as a module, rebuilds its
 networks, reads the model (the normalisation statistics included) and plays on an environment whose global index
 no training environment has, with the actors' own rollout program (a Gaussian's sample clipped to the action
-bounds on its way to the environment). It prints each episode's return (unclipped, for Atari) and their mean, and
-logs them to the run's TensorBoard events as eval/episodic_return. A tool: the training scripts never import it.
+bounds on its way to the environment; a recurrent policy's state carried through each episode). It prints each
+episode's return (unclipped, for Atari) and their mean, and logs them to the run's TensorBoard events as
+eval/episodic_return. A tool: the training scripts never import it.
 """
 
 import argparse
@@ -44,14 +45,13 @@ def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float
     args = script.Args(**{k: v for k, v in config["args"].items() if k in fields})
     if seed is not None:
         args.seed = seed
-    spec = envpool.make_spec(args.env_id)
-    networks = script.make_networks(spec.observation_space.shape, spec.action_space)
-    envs = script.make_env(args.env_id, 1, EVAL_ENV_INDEX, args.seed)
+    networks = script.make_networks(args, envpool.make_spec(args.env_id, **script.env_options(args)))
+    envs = script.make_env(args, 1, EVAL_ENV_INDEX)
     handle, rollout = script.make_rollout(args, networks, envs, np.array([EVAL_ENV_INDEX]), jax.default_backend())
     with open(os.path.join(run_dir, f"{args.exp_name}.cleanba_model"), "rb") as f:
         params = flax.serialization.msgpack_restore(f.read())
     params = jax.tree.map(lambda x: np.asarray(x)[None], params)  # the device axis the actors' rollout takes
-    env, returns = script.first_state(envs, handle, step=0), []
+    env, returns = script.first_state(envs, handle, step=0, core_size=args.lstm_size), []
     while len(returns) < episodes:  # the returns of the episodes that ended in each rollout, in order
         env, batch = rollout(params, env)
         batch = jax.device_get(batch)

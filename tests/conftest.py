@@ -5,7 +5,7 @@ import os
 
 import jax
 import pytest
-from helpers import ALGOS, CARTPOLE, Run, check, finished_run, run, run_processes, script_env
+from helpers import ALGOS, CARTPOLE, CARTPOLE_LSTM, Run, check, finished_run, run, run_processes, script_env
 
 # The tests' own process checks bad input and --help in-process, on three CPU devices like the layouts the
 # scripts run with in subprocesses (set before JAX starts its backend).
@@ -38,6 +38,7 @@ SHARED_RUNS = {
     "two_learners_run",
     "two_processes_run",
     "continuous_runs",
+    "lstm_runs",
 }
 
 
@@ -133,4 +134,23 @@ def continuous_runs(algo, tmp_path_factory) -> dict[str, Run]:
         cwd = tmp_path_factory.mktemp(f"continuous-{name}-{algo}")
         result = run(cwd, *HALFCHEETAH_8_ENVS, "--no-concurrency", *layout, num_devices=num_devices, algo=algo)
         runs[name] = finished_run(cwd, check(result).stdout)
+    return runs
+
+
+# CartPole with an LSTM (--lstm-size 8), 8 envs, 8 updates, on three layouts, and the first again.
+LSTM_LAYOUTS = {
+    "two_threads": ["--num-actor-threads", 2, "--local-num-envs", 4],
+    "one_thread": ["--num-actor-threads", 1, "--local-num-envs", 8],
+    "two_learners": ["--num-actor-threads", 1, "--local-num-envs", 8, "--learner-device-ids", 1, 2],
+    "two_threads_again": ["--num-actor-threads", 2, "--local-num-envs", 4],
+}
+
+
+@pytest.fixture(scope="session")
+def lstm_runs(algo, tmp_path_factory) -> dict[str, Run]:
+    runs = {}
+    for name, layout in LSTM_LAYOUTS.items():
+        cwd = tmp_path_factory.mktemp(f"lstm-{name}-{algo}")
+        flags = [*CARTPOLE_LSTM, "--total-timesteps", 8 * 8 * 32, "--log-frequency", 1, *layout]
+        runs[name] = finished_run(cwd, check(run(cwd, *flags, num_devices=3, algo=algo)).stdout)
     return runs

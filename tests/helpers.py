@@ -12,7 +12,9 @@ import threading
 import time
 from typing import NamedTuple
 
+import envpool
 import flax.serialization
+import tyro
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "cleanba"))
@@ -39,6 +41,10 @@ CARTPOLE_SOLVE = {
     "--max-grad-norm 10 --vtrace-lambda 0.95 --total-timesteps 500000 --log-frequency 50",
 }
 CARTPOLE_SOLVE = {algo: flags.split() for algo, flags in CARTPOLE_SOLVE.items()}
+# A dict observation (image, direction, mission) and a recurrent policy.
+MINIGRID_LSTM = "--env-id MiniGrid-MemoryS7-v0 --lstm-size 16"
+# CartPole with an LSTM: episodes end every ~20 steps, inside PPO's chunks of 8 steps and IMPALA's unrolls of 32.
+CARTPOLE_LSTM = "--env-id CartPole-v1 --lstm-size 8 --num-steps 32 --num-minibatches 4 --no-concurrency".split()
 
 
 def script_env(num_devices: int | None = None) -> dict:
@@ -213,3 +219,22 @@ def finished_run(cwd, output: str = "") -> Run:
 def load_checkpoint(run_dir) -> dict:
     with open(os.path.join(run_dir, "checkpoint.msgpack"), "rb") as f:
         return flax.serialization.msgpack_restore(f.read())
+
+
+class Parts(NamedTuple):
+    """A script's pieces for in-process tests, as its main() makes them, parameters on the learner devices."""
+
+    args: object
+    cfg: object
+    spec: object
+    networks: object
+    state: object
+
+
+def script_parts(script, *flags) -> Parts:
+    args = tyro.cli(script.Args, args=[str(flag) for flag in flags])
+    script.check_args(args)
+    cfg, spec = script.derive_config(args), envpool.make_spec(args.env_id, **script.env_options(args))
+    networks = script.make_networks(args, spec)
+    state, _, _ = script.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    return Parts(args, cfg, spec, networks, state)

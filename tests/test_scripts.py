@@ -6,13 +6,12 @@ import ast
 import dataclasses
 import os
 
-import envpool
 import jax
 import numpy as np
 import pytest
 import scipy.stats
 import tyro
-from helpers import CARTPOLE, SCRIPTS, check, load_script, run, run_dirs, script_env
+from helpers import CARTPOLE, MINIGRID_LSTM, SCRIPTS, check, load_script, run, run_dirs, script_env, script_parts
 
 # What the two scripts do differently on purpose: their arguments and checks, the actor's rollout (what it records),
 # the update and the optimiser. Everything else they define under the same name must stay identical.
@@ -99,6 +98,12 @@ BAD_INPUT = [
     (["--num-actor-threads", 0], "--num-actor-threads"),
     (["--run-name", "../elsewhere"], "--run-name"),
     (["--env-threads", -1], "--env-threads"),
+    (["--lstm-size", -1], "--lstm-size"),
+    (["--frame-stack", 1], "--frame-stack"),  # Atari's option, CartPole's run
+    (["--env-id", "Breakout-v5", "--frame-stack", 0], "--frame-stack"),
+    (["--env-id", "Taxi-v3"], "--env-id"),  # a discrete observation: nothing to encode it
+    (["--env-id", "Highway-v0"], "--env-id"),  # a matrix of vehicles: neither a vector nor an image
+    (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs"),
 ]
 ALGO_BAD_INPUT = {
     "ppo": [
@@ -167,7 +172,9 @@ def test_environment_threads_share_the_cpus(algo):
     assert script.env_threads(tyro.cli(script.Args, args=["--env-threads", "3"]), 0, list(range(16))) == dict(
         num_threads=3
     )
-    envs = script.make_env("CartPole-v1", 8, 0, 1, **script.env_threads(args, 1, list(range(16))))
+    envs = script.make_env(
+        tyro.cli(script.Args, args=["--env-id", "CartPole-v1"]), 8, 0, **script.env_threads(args, 1, list(range(16)))
+    )
     assert envs.config["num_threads"] == 4 and envs.config["thread_affinity_offset"] == 4
 
 
@@ -187,11 +194,7 @@ def test_continuous_actions_are_stored_as_sampled(algo):
     the policy that sampled it, the observations normalised by the statistics that came with the parameters."""
     script = load_script(algo)
     flags = "--env-id HalfCheetah-v4 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --total-timesteps 64"
-    args = tyro.cli(script.Args, args=flags.split())
-    script.check_args(args)
-    cfg, spec = script.derive_config(args), envpool.make_spec(args.env_id)
-    networks = script.make_networks(spec.observation_space.shape, spec.action_space)
-    state, _, _ = script.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    args, cfg, _, networks, state = script_parts(script, *flags.split())
     params = script.to_host(state.params)
     params["obs_stats"] = dict(mean=np.full(17, 0.5, np.float32), var=np.full(17, 4.0, np.float32), count=np.float32(9))
     actors = script.Actors(args, cfg, networks, start_update=0)
@@ -203,38 +206,41 @@ def test_continuous_actions_are_stored_as_sampled(algo):
         actors.join(timeout=30)
     actions = rollout.batch["actions"]
     assert actions.shape == (8, 4, 6) and actions.dtype == np.float32 and np.abs(actions).max() > 1.5
-    dist, _ = script.forward(networks, params, rollout.batch["obs"][:8].reshape(32, 17))
-    log_prob, _ = dist.log_prob_and_entropy(actions.reshape(32, 6))
-    np.testing.assert_allclose(log_prob, rollout.batch["logprobs"].reshape(32), rtol=1e-5)
+    first_steps = np.zeros((8, 4), bool)  # HalfCheetah's episodes last 1,000 steps
+    dist, _, _ = script.forward(
+        networks, params, rollout.batch["obs"][:8], rollout.batch["core_states"][0], first_steps
+    )
+    log_prob, _ = dist.log_prob_and_entropy(actions)
+    np.testing.assert_allclose(log_prob, rollout.batch["logprobs"], rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:.*precision lowered:UserWarning")  # EnvPool's float64 bounds (see the scripts)
-@pytest.mark.parametrize("env_id", ["CartPole-v1", "HalfCheetah-v4"])
-def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, env_id):
+@pytest.mark.parametrize(
+    "flags",
+    ["--env-id CartPole-v1", "--env-id HalfCheetah-v4", "--env-id CartPole-v1 --lstm-size 8", MINIGRID_LSTM],
+    ids=["cartpole", "halfcheetah", "cartpole-lstm", "minigrid-lstm"],
+)
+def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flags):
     """On a CPU the rollout is one compiled program with EnvPool stepping inside it; on a GPU a Python loop steps
     the envs between jitted calls of the same functions (compile_rollout says why). CI has no GPU: here both run on
     the CPU, from the same seed, and must collect the same batches (a Gaussian's log-probabilities may round apart
     in the last bit: the policy is compiled into another program)."""
     script = load_script(algo)
-    args = tyro.cli(script.Args, args=["--env-id", env_id, "--num-steps", "16"])
-    script.check_args(args)
-    cfg, spec = script.derive_config(args), envpool.make_spec(env_id)
-    networks = script.make_networks(spec.observation_space.shape, spec.action_space)
-    state, _, _ = script.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    args, _, _, networks, state = script_parts(script, *flags.split(), "--num-steps", 16)
     batches = {}
     for platform in ("cpu", "gpu"):
-        envs = script.make_env(env_id, 4, 0, args.seed)
+        envs = script.make_env(args, 4, 0)
         handle, rollout = script.make_rollout(args, networks, envs, np.arange(4), platform)
-        env, batches[platform] = script.first_state(envs, handle, step=0), []
+        env, batches[platform] = script.first_state(envs, handle, 0, args.lstm_size), []
         for _ in range(3):
             env, batch = rollout(script.replica(state.params), env)
             batches[platform].append(jax.device_get(batch))
     for compiled, loop in zip(batches["cpu"], batches["gpu"], strict=True):
-        assert compiled.keys() == loop.keys()
-        for name in compiled:
-            if name == "logprobs":
-                np.testing.assert_allclose(loop[name], compiled[name], rtol=1e-6, atol=1e-6)
+        assert jax.tree.structure(compiled) == jax.tree.structure(loop)
+        for (path, x), y in zip(jax.tree.leaves_with_path(compiled), jax.tree.leaves(loop), strict=True):
+            if path[0].key == "logprobs":
+                np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
             else:
-                np.testing.assert_array_equal(loop[name], compiled[name], err_msg=name)
-    if env_id == "CartPole-v1":  # episode ends and EnvPool's reset steps are among the steps compared
+                np.testing.assert_array_equal(y, x, err_msg=jax.tree_util.keystr(path))
+    if args.env_id == "CartPole-v1":  # episode ends and EnvPool's reset steps are among the steps compared
         assert all(batch["dones"].any() and not batch["valid"].all() for batch in batches["cpu"][1:])

@@ -146,8 +146,7 @@ def env_ceiling(algo, args, num_threads: int, seconds: float) -> float:
     cpus = sorted(os.sched_getaffinity(0))
     threads = [algo.env_threads(args, i, cpus) for i in range(num_threads)]
     pools = [
-        algo.make_env(args.env_id, args.local_num_envs, i * args.local_num_envs, args.seed, **threads[i])
-        for i in range(num_threads)
+        algo.make_env(args, args.local_num_envs, i * args.local_num_envs, **threads[i]) for i in range(num_threads)
     ]
     for pool in pools:
         pool.reset()
@@ -198,8 +197,8 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     args = tyro.cli(algo.Args, args=[*flags, "--total-timesteps", str(10**9), "--no-concurrency"])
     algo.check_args(args)
     cfg = algo.derive_config(args)
-    spec = envpool.make_spec(args.env_id)
-    networks = algo.make_networks(spec.observation_space.shape, spec.action_space)
+    spec = envpool.make_spec(args.env_id, **algo.env_options(args))
+    networks = algo.make_networks(args, spec)
     state, _, _ = algo.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
     replica_params = algo.replica(state.params)
     num_threads = args.num_actor_threads
@@ -210,10 +209,16 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     # Inference: the policy's forward pass and sampling on one thread's observations as a jitted call of its own, its
     # actions brought to the host: the actor's per-step work before its rollout became one program (the yardstick
     # the figures before and after that change share). PPO also evaluates the last observation once per rollout.
-    act = jax.jit(lambda params, obs, key: algo.forward(networks, params, obs)[0].sample(key))
-    params, obs = jax.tree.map(lambda x: x[0], replica_params), first_rollouts[0].batch["obs"][0]
-    key = jax.random.key(0)
-    policy_first, policy_call = timed_calls(lambda: np.asarray(act(params, obs, key)), seconds / 2, 20)
+    params = jax.tree.map(lambda x: x[0], replica_params)
+    first_step = jax.tree.map(lambda x: x[:1], first_rollouts[0].batch)  # a sequence of one step: (1, envs, ...)
+
+    @jax.jit
+    def act(params, obs, core_state, reset_after, key):
+        dist = algo.forward(networks, params, obs, core_state, reset_after)[0]
+        return jax.tree.map(lambda x: x[0], dist).sample(key)
+
+    inputs = first_step["obs"], first_step["core_states"][0], ~first_step["valid"], jax.random.key(0)
+    policy_first, policy_call = timed_calls(lambda: np.asarray(act(params, *inputs)), seconds / 2, 20)
     calls_per_rollout = args.num_steps + (1 if algo_name == "ppo" else 0)
     inference_seconds = policy_call * calls_per_rollout * num_threads
 

@@ -1,0 +1,83 @@
+"""Recurrent policies (--lstm-size) and dict observations (MiniGrid): the learner replays exactly what the actor
+computed, layouts agree, and a recurrent policy on dict observations trains through a preemption and evaluates."""
+
+import signal
+
+import numpy as np
+from helpers import CARTPOLE_LSTM, load_script, only_run, read_scalars, script_parts, start, values, wait_for_updates
+from test_reproducibility import assert_bitwise_identical, assert_same_batches_close_losses
+from test_training import evaluate
+
+
+def test_the_learner_replays_what_the_actor_computed(algo):
+    """Before any gradient step, the learner's log-probabilities of the stored actions equal the actor's: every chunk
+    (PPO) or unroll (IMPALA) is replayed from the core state the actor recorded, zeroed where an episode starts. The
+    policy head is scaled up so that its actions depend strongly on the core state, and the learning rate is too
+    small to move a parameter: the update's approximate KL between the two is then ~0. Replayed from zero states
+    instead (what a learner without recorded states would do), the same check fails."""
+    script = load_script(algo)
+    flags = [*CARTPOLE_LSTM, "--local-num-envs", 4, "--num-actor-threads", 1, "--learning-rate", 1e-30]
+    args, cfg, _, networks, state = script_parts(script, *flags, "--total-timesteps", 3 * 4 * 32)
+    params = script.to_host(state.params)
+    params["actor"]["params"]["Dense_0"]["kernel"] = params["actor"]["params"]["Dense_0"]["kernel"] * 300.0
+    state = state.replace(params=script.replicate(params, cfg))
+    actors = script.Actors(args, cfg, networks, start_update=0)
+    try:
+        for version in (1, 2):  # the second rollout starts from the first one's core states, not from zeros
+            actors.publish(script.replica(state.params), version)
+            (rollout,) = actors.collect()
+    finally:
+        actors.stop.set()
+        actors.join(timeout=30)
+    batch = script.collate([rollout], 1)
+    first_steps = ~batch["valid"][0]  # episodes that start after a reset step, at no chunk boundary in particular
+    assert first_steps.sum() >= 4 and first_steps[1:].reshape(31, 4).any(axis=1).sum() >= 4
+    assert np.abs(batch["core_states"][0, 0]).max() > 0.01  # the rollout starts mid-episode, from a recorded state
+    update = script.make_update(args, cfg, networks)
+
+    def approx_kl(batch):
+        return float(script.to_host(update(state, batch, 2)[1])["approx_kl"])
+
+    assert approx_kl(batch) < 1e-9
+    assert approx_kl({**batch, "core_states": np.zeros_like(batch["core_states"])}) > 1e-4
+
+
+def test_layouts_agree_with_a_core(lstm_runs):
+    """CartPole with an LSTM (conftest.py) on 2 actor threads, 1 thread and 2 learner devices: the same batches and
+    losses (replayed from the recorded core states) within compare_runs.py's tolerances; the same layout twice bit
+    for bit."""
+    runs = lstm_runs
+    assert_bitwise_identical(runs["two_threads"], runs["two_threads_again"])
+    assert len({record["fingerprint"] for record in runs["one_thread"].records}) == 8
+    assert_same_batches_close_losses(runs["one_thread"].records, runs["two_threads"].records, 8, 8)
+    assert_same_batches_close_losses(runs["one_thread"].records, runs["two_learners"].records, 8, 8)
+    assert runs["two_learners"].config["args"]["lstm_size"] == 8
+
+
+# A recurrent policy on MiniGrid's dict observations (image, direction, mission). Empty-5x5: the goal in the corner
+# of an empty room; a random policy's return is ~0.1 (a reward of 1 - 0.9 * steps / max steps, when it gets there).
+MINIGRID_EMPTY = {
+    "ppo": "--env-id MiniGrid-Empty-5x5-v0 --lstm-size 32 --local-num-envs 16 --num-actor-threads 1 --num-steps 64 "
+    "--num-minibatches 4 --learning-rate 1e-3 --total-timesteps 81920 --log-frequency 5",
+    "impala": "--env-id MiniGrid-Empty-5x5-v0 --lstm-size 32 --local-num-envs 16 --num-actor-threads 1 --num-steps 32 "
+    "--num-minibatches 4 --learning-rate 3e-3 --rmsprop-eps 1e-5 --total-timesteps 81920 --log-frequency 10",
+}
+LEARNED = {"ppo": 0.8, "impala": 0.4}  # IMPALA learns the room more slowly: ~0.5 at this budget, PPO ~0.9
+
+
+def test_a_recurrent_policy_on_dict_observations_trains_resumes_and_evaluates(algo, tmp_path):
+    """A MiniGrid room with an LSTM: SIGTERM partway (checkpoint, exit 143), the same command resumes (the envs and
+    their core states start over), the run learns to reach the goal, and evaluate.py plays the saved model, carrying
+    its core state through each episode."""
+    flags = [*MINIGRID_EMPTY[algo].split(), "--checkpoint-interval", 0, "--save-model"]
+    proc = start(tmp_path, *flags, algo=algo)
+    wait_for_updates(tmp_path, 20, proc)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    proc = start(tmp_path, *flags, algo=algo)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "resuming from" in output, output[-3000:]
+    returns = values(read_scalars(only_run(tmp_path)), "charts/episodic_return")
+    assert returns[0] < 0.35 and np.mean(returns[-3:]) > LEARNED[algo], returns
+    assert np.mean(evaluate(only_run(tmp_path), 5)) > LEARNED[algo]
