@@ -58,11 +58,14 @@ def test_layouts_agree_with_a_core(lstm_runs):
 # of an empty room; a random policy's return is ~0.1 (a reward of 1 - 0.9 * steps / max steps, when it gets there).
 MINIGRID_EMPTY = {
     "ppo": "--env-id MiniGrid-Empty-5x5-v0 --lstm-size 32 --local-num-envs 16 --num-actor-threads 1 --num-steps 64 "
-    "--num-minibatches 4 --learning-rate 1e-3 --total-timesteps 81920 --log-frequency 5",
-    "impala": "--env-id MiniGrid-Empty-5x5-v0 --lstm-size 32 --local-num-envs 16 --num-actor-threads 1 --num-steps 32 "
-    "--num-minibatches 4 --learning-rate 3e-3 --rmsprop-eps 1e-5 --total-timesteps 81920 --log-frequency 10",
+    "--num-minibatches 4 --learning-rate 1e-3 --total-timesteps 40960 --log-frequency 2",
+    # IMPALA: unrolls of 16 steps (twice the updates of 32) and a small entropy bonus reach ~0.9 at this budget on
+    # seeds 1-3 (unrolls of 32 with the default bonus reach only ~0.5, and sampled evaluations then often time out).
+    "impala": "--env-id MiniGrid-Empty-5x5-v0 --lstm-size 32 --local-num-envs 16 --num-actor-threads 1 --num-steps 16 "
+    "--num-minibatches 4 --learning-rate 3e-3 --rmsprop-eps 1e-5 --ent-coef 0.001 --total-timesteps 81920 "
+    "--log-frequency 20",
 }
-LEARNED = {"ppo": 0.8, "impala": 0.4}  # IMPALA learns the room more slowly: ~0.5 at this budget, PPO ~0.9
+LEARNED = 0.7  # both reach ~0.9 here (returns and sampled evaluations)
 
 
 def test_a_recurrent_policy_on_dict_observations_trains_resumes_and_evaluates(algo, tmp_path):
@@ -79,5 +82,5 @@ def test_a_recurrent_policy_on_dict_observations_trains_resumes_and_evaluates(al
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "resuming from" in output, output[-3000:]
     returns = values(read_scalars(only_run(tmp_path)), "charts/episodic_return")
-    assert returns[0] < 0.35 and np.mean(returns[-3:]) > LEARNED[algo], returns
-    assert np.mean(evaluate(only_run(tmp_path), 5)) > LEARNED[algo]
+    assert returns[0] < 0.35 and np.mean(returns[-3:]) > LEARNED, returns
+    assert np.mean(evaluate(only_run(tmp_path), 10)) > LEARNED
