@@ -98,7 +98,7 @@ class Args:
     coordinator_address: Runtime[str | None] = None  # --distributed outside SLURM: process 0's host:port
     num_processes: Runtime[int | None] = None  # --distributed outside SLURM: the number of processes
     process_id: Runtime[int | None] = None  # --distributed outside SLURM: this process's rank
-    heartbeat_timeout: Runtime[int] = 100  # --distributed: seconds before the others give up on a dead process
+    heartbeat_timeout: Runtime[int] = 25  # --distributed: seconds before the others give up on a silent process
     env_threads: Runtime[int] = 0  # EnvPool threads per actor thread; 0: a pinned, equal share of this process's CPUs
 
 
@@ -200,15 +200,10 @@ def env_options(args: Args) -> dict:
     """EnvPool's options for --env-id, its spec's and its pools'; Atari: Machado et al.'s (2018) evaluation protocol."""
     if not args.env_id.endswith("-v5"):
         return {}
-    return dict(
-        episodic_life=False,  # no life-loss signal
-        repeat_action_probability=0.25,  # sticky actions
-        full_action_space=True,
-        noop_max=1,  # no no-op starts: sticky actions are the source of stochasticity
-        max_episode_steps=108_000 // 4,  # 108,000 frames at frame skip 4
-        reward_clip=True,  # the unclipped reward is in info["reward"] for logging
-        stack_num=args.frame_stack,
-    )
+    # No life-loss signal; sticky actions, the only source of stochasticity (no no-op starts); the full action set;
+    # episodes of at most 108,000 frames (at frame skip 4); rewards clipped (the unclipped one: info["reward"], logged).
+    protocol = dict(episodic_life=False, repeat_action_probability=0.25, noop_max=1, full_action_space=True)
+    return dict(protocol, max_episode_steps=108_000 // 4, reward_clip=True, stack_num=args.frame_stack)
 
 
 def make_env(args: Args, num_envs: int, first_env_index: int, **threads):
@@ -409,23 +404,20 @@ def env_step_op(envs, platform: str):
     """(A handle, the envs' step) for a rollout on an actor device of `platform`: on a CPU, EnvPool's own XLA operation
     (envs.xla()), which a jitted program runs; elsewhere EnvPool's Python step on host arrays. MuJoCo takes and returns
     float64, which JAX only traces with x64 on: the operation is traced so, and both give float32 back."""
-    action_dtype = envs.spec.action_array_spec["action"].dtype
-    if platform != "cpu":
-
-        def host_step(handle, action):
-            obs, reward, terminated, truncated, info = envs.step(np.asarray(action, action_dtype))
-            info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
-            return handle, to_float32((obs, reward, terminated, truncated, info))
-
-        return np.zeros(1, np.uint8), host_step
-    with jax.enable_x64(True):
-        handle, _, _, xla_step = envs.xla()
-
-    def xla_env_step(handle, action):
+    action_dtype, handle = envs.spec.action_array_spec["action"].dtype, np.zeros(1, np.uint8)  # (GPU: orders nothing)
+    if platform == "cpu":
         with jax.enable_x64(True):
-            return to_float32(xla_step(handle, action.astype(action_dtype)))
+            handle, _, _, xla_step = envs.xla()
 
-    return handle, xla_env_step
+    def env_step(handle, action):
+        if platform == "cpu":
+            with jax.enable_x64(True):
+                return to_float32(xla_step(handle, action.astype(action_dtype)))
+        obs, reward, terminated, truncated, info = envs.step(np.asarray(action, action_dtype))
+        info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
+        return handle, to_float32((obs, reward, terminated, truncated, info))
+
+    return handle, env_step
 
 
 def first_state(envs, handle, step: int, core_size: int) -> EnvState:
@@ -451,38 +443,30 @@ def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]
 
 
 def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
-    """The rollout: num_steps of `act`, `env_step` and `observe`, then `bootstrap`, from a learner replica's params and
-    the envs' state to their next state and the time-major batch (num_steps, envs, ...). On a CPU, one jitted program
-    (EnvPool steps inside a lax.scan). On a GPU that scan gave wrong observations and episode ends (README, "GPUs"), so
-    a Python loop steps the envs between jitted calls of the same functions; tests/test_scripts.py checks both agree."""
+    """num_steps of `act`, `env_step`, `observe`, then `bootstrap`: (params, envs' state) -> (next state, batch (T,
+    envs, ...)). On a CPU one jitted program, EnvPool stepping in a lax.scan; on a GPU that scan gave wrong observations
+    and episode ends (README, "GPUs"): a Python loop of the same jitted functions (tests/test_scripts.py: the same)."""
 
-    def step(params, env: EnvState, _):
+    act, observe_step, bootstrap = jax.jit(act), jax.jit(functools.partial(observe, args)), jax.jit(bootstrap)
+
+    def step(params, env: EnvState, _=None):
         action, policy, core = act(params, env)
         handle, outputs = env_step(env.handle, action)
-        env, record = observe(args, env._replace(core=core), handle, outputs)
+        env, record = observe_step(env._replace(core=core), handle, outputs)
         return env, {**policy, **record}
 
-    if platform == "cpu":
-
-        @jax.jit
-        def rollout(replica_params, env: EnvState):
-            params = jax.tree.map(lambda x: x[0], replica_params)
-            env, batch = jax.lax.scan(functools.partial(step, params), env, length=args.num_steps)
-            return env, bootstrap(params, env, batch)
-
-        return rollout
-    jitted_act, jitted_observe, jitted_bootstrap = map(jax.jit, (act, functools.partial(observe, args), bootstrap))
-
-    def rollout_loop(replica_params, env: EnvState):
+    def rollout(replica_params, env: EnvState):
         params, records = jax.tree.map(lambda x: x[0], replica_params), []
-        for _ in range(args.num_steps):
-            action, policy, core = jitted_act(params, env)
-            handle, outputs = env_step(env.handle, action)
-            env, record = jitted_observe(env._replace(core=core), handle, outputs)
-            records.append({**policy, **record})
-        return env, jitted_bootstrap(params, env, jax.tree.map(lambda *steps: jnp.stack(steps), *records))
+        if platform == "cpu":
+            env, batch = jax.lax.scan(functools.partial(step, params), env, length=args.num_steps)
+        else:
+            for _ in range(args.num_steps):
+                env, record = step(params, env)
+                records.append(record)
+            batch = jax.tree.map(lambda *steps: jnp.stack(steps), *records)
+        return env, bootstrap(params, env, batch)
 
-    return rollout_loop
+    return jax.jit(rollout) if platform == "cpu" else rollout
 
 
 def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, platform: str):
@@ -810,6 +794,10 @@ class RunDir:
         self.last_checkpoint, self.last_checkpoint_time = start_update, time.time()
         self.episodes = np.zeros(3)  # count, return sum and length sum of the episodes since the last log line
         self.wandb = None
+        if args.distributed:  # for cleanba/supervise.py: this process's rank, every process's host, the run's directory
+            name = np.frombuffer(os.uname().nodename.encode()[:64].ljust(64), np.uint8)
+            hosts = [bytes(host).decode().strip() for host in multihost_utils.process_allgather(name)]
+            self.report(rank=cfg.rank, hosts=hosts, path=self.path, update=start_update, checkpoint=start_update)
         if not self.active:
             return
         ids = lambda ids: ",".join(map(str, ids))  # noqa: E731
@@ -843,6 +831,10 @@ class RunDir:
         if start_update:
             resumed = f"after update {start_update} (global step {start_update * cfg.batch_size:,})"
             print(f"resuming from {self.path}/checkpoint.msgpack {resumed}; environments restart their episodes")
+
+    def report(self, **progress):  # --distributed: how far this process got, for cleanba/supervise.py
+        if self.args.distributed:
+            print(f"cleanba-progress {json.dumps(progress)}", file=sys.stderr)
 
     def log(self, update: int, data_version: int, record: dict, timings: dict, rollouts: list, state: TrainState):
         self.episodes += record["episodes"]
@@ -955,6 +947,10 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: li
 
 
 def main(args: Args):
+    supervisor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
+    if args.distributed and not os.environ.get("CLEANBA_SUPERVISED") and os.path.exists(supervisor):
+        # cleanba/supervise.py runs this command as its child: a lost process of the run is then reported in one line.
+        os.execv(sys.executable, [sys.executable, supervisor, sys.executable, *sys.argv])
     cfg, run_name, checkpoint = start_up(args)
     signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -988,6 +984,7 @@ def main(args: Args):
             if signals if cfg.world_size == 1 else int(to_host(any_process(stop))):
                 break
             run_dir.checkpoint(state, update, if_due=True)
+            run_dir.report(update=update, checkpoint=run_dir.last_checkpoint)
     except StopRequested:
         pass
     except BaseException:
