@@ -950,7 +950,7 @@ def main(args: Args):
     supervisor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
     if args.distributed and not os.environ.get("CLEANBA_SUPERVISED") and os.path.exists(supervisor):
         # cleanba/supervise.py runs this command as its child: a lost process of the run is then reported in one line.
-        os.execv(sys.executable, [sys.executable, supervisor, sys.executable, *sys.argv])
+        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
     cfg, run_name, checkpoint = start_up(args)
     signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
     for signum in (signal.SIGTERM, signal.SIGINT):

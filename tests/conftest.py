@@ -29,25 +29,19 @@ def algo(request) -> str:
     return request.param
 
 
-SHARED_RUNS = {
-    "sync_run",
-    "sync_rerun",
-    "cleanba_run",
-    "cleanba_rerun",
-    "one_thread_run",
-    "two_learners_run",
-    "two_processes_run",
-    "continuous_runs",
-    "lstm_runs",
-}
+# The training runs that several tests share, by group: a test reads runs of one group only (the CartPole runs are
+# compared with each other), so each group is made once, on one worker, and the groups run in parallel.
+CARTPOLE_RUNS = "sync_run sync_rerun cleanba_run cleanba_rerun one_thread_run two_learners_run two_processes_run"
+SHARED_RUNS = {**dict.fromkeys(CARTPOLE_RUNS.split(), "cartpole"), "continuous_runs": "continuous", "lstm_runs": "lstm"}
 
 
 def pytest_collection_modifyitems(items):
-    """With pytest-xdist (--dist loadgroup), the tests that read one algorithm's shared runs go to one worker,
-    which makes the runs once, and so do the tests of one module-scoped fixture."""
+    """With pytest-xdist (--dist loadgroup), the tests that read one group of one algorithm's shared runs go to one
+    worker, which makes the runs once, and so do the tests of one module-scoped fixture."""
     for item in items:
-        if SHARED_RUNS & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group(f"runs-{item.callspec.params['algo']}"))
+        if groups := {SHARED_RUNS[name] for name in item.fixturenames if name in SHARED_RUNS}:
+            (group,) = groups  # a test that read two groups would make one of them twice
+            item.add_marker(pytest.mark.xdist_group(f"{group}-{item.callspec.params['algo']}"))
         elif "local_grid" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("local-grid"))
 
