@@ -6,7 +6,7 @@
 #   mujoco                   PPO and IMPALA on HalfCheetah-v4, Hopper-v4 and Walker2d-v4, 3 seeds, 1M steps
 #                            (2 workers, ~28 minutes on 2 CPU cores)
 #   minigrid                 PPO on MiniGrid: MemoryS7 with and without an LSTM (--lstm-size 64), DoorKey-5x5
-#                            without, 3 seeds, 500k steps (2 workers, ~25 minutes on 2 CPU cores)
+#                            without, 3 seeds, 500k steps (2 workers, 12.5 minutes on 2 CPU cores)
 #   results                  laptop, then mujoco: the README's results table. Then:
 #                            .venv/bin/python cleanba/aggregate.py runs --out results
 #   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
