@@ -79,7 +79,7 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
     process dies between writing a checkpoint and renaming it into place (CLEANBA_FAULT=checkpoint@K);
     every restart must resume from a complete checkpoint. The checkpoint code is the same in both scripts
     (tests/test_scripts.py); PPO runs it here."""
-    flags = [*LONG_CARTPOLE, "--checkpoint-interval", 1, "--total-timesteps", 120 * 8 * 32]
+    flags = [*LONG_CARTPOLE, "--checkpoint-interval", 1, "--total-timesteps", 300 * 8 * 32]
     rng = np.random.default_rng(0)
     resumed_from = []
     for round_index, kill in enumerate([signal.SIGKILL, signal.SIGTERM, signal.SIGKILL]):
@@ -104,7 +104,7 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
     proc = start(tmp_path, *flags)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and f"after update {resumed_from[-1]}" in output, output[-3000:]
-    assert load_checkpoint(only_run(tmp_path))["update"] == 120
+    assert load_checkpoint(only_run(tmp_path))["update"] == 300
     assert resumed_from == sorted(resumed_from)
     assert len(run_dirs(tmp_path)) == 1
 
