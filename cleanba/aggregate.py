@@ -8,7 +8,7 @@ Runs are grouped by method (the run's --exp-name) and environment. Written to --
 
 - scores.csv: one row per run: method, script, env id, seed, steps, final score, human-normalised score (HNS)
 - games.md / games.csv: per method and environment, the final score's mean +- std over seeds, its steps and
-  wall-clock time, and beside PPO's the published reference score where there is one (PUBLISHED below)
+  wall-clock time, and the published reference score of the same algorithm where there is one (PUBLISHED below)
 - aggregates.md / aggregates.csv, aggregates.png: per method, median, mean and IQM of the HNS over its Atari
   games with 95% stratified-bootstrap confidence intervals (Agarwal et al., 2021, "Deep RL at the Edge of the
   Statistical Precipice"). Only normalised scores are aggregated: raw returns of different games are not on
@@ -96,16 +96,18 @@ ATARI_REFERENCE_SCORES = {
 }
 
 
-# Published final scores to compare with: CleanRL's PPO (mean +- std over seeds of the mean episodic return at the
-# end of training), from its benchmark pages (docs.cleanrl.dev/rl-algorithms/ppo/): ppo.py on classic control
-# (500k steps) and ppo_continuous_action.py on MuJoCo v4 (1M steps, its benchmark tag pr-424).
+# Published final scores to compare with, per (script, env): CleanRL's (mean +- std over seeds of the mean episodic
+# return at the end of training), from its benchmark pages (docs.cleanrl.dev/rl-algorithms/ppo/ and .../pqn/): ppo.py
+# and pqn.py on classic control (500k steps), ppo_continuous_action.py on MuJoCo v4 (1M steps, benchmark tag pr-424).
 PUBLISHED = {
-    "CartPole-v1": (490.04, 6.12, "CleanRL ppo.py, 500k steps"),
-    "Acrobot-v1": (-86.36, 1.32, "CleanRL ppo.py, 500k steps"),
-    "HalfCheetah-v4": (1442.64, 46.03, "CleanRL ppo_continuous_action.py, 1M steps"),
-    "Hopper-v4": (2382.86, 271.74, "CleanRL ppo_continuous_action.py, 1M steps"),
-    "Walker2d-v4": (2287.95, 571.78, "CleanRL ppo_continuous_action.py, 1M steps"),
-    "InvertedPendulum-v4": (963.09, 22.20, "CleanRL ppo_continuous_action.py, 1M steps"),
+    ("cleanba_ppo.py", "CartPole-v1"): (490.04, 6.12, "CleanRL ppo.py, 500k steps"),
+    ("cleanba_ppo.py", "Acrobot-v1"): (-86.36, 1.32, "CleanRL ppo.py, 500k steps"),
+    ("cleanba_ppo.py", "HalfCheetah-v4"): (1442.64, 46.03, "CleanRL ppo_continuous_action.py, 1M steps"),
+    ("cleanba_ppo.py", "Hopper-v4"): (2382.86, 271.74, "CleanRL ppo_continuous_action.py, 1M steps"),
+    ("cleanba_ppo.py", "Walker2d-v4"): (2287.95, 571.78, "CleanRL ppo_continuous_action.py, 1M steps"),
+    ("cleanba_ppo.py", "InvertedPendulum-v4"): (963.09, 22.20, "CleanRL ppo_continuous_action.py, 1M steps"),
+    ("cleanba_pqn.py", "CartPole-v1"): (495.13, 6.89, "CleanRL pqn.py, 500k steps"),
+    ("cleanba_pqn.py", "Acrobot-v1"): (-95.63, 5.73, "CleanRL pqn.py, 500k steps"),
 }
 
 
@@ -281,7 +283,8 @@ def main():
     game_rows = []
     for (method, env_id), group in sorted(groups.items()):
         scores, minutes = [r["score"] for r in group], [(r["curve"][-1][2] - r["started"]) / 60 for r in group]
-        published = PUBLISHED.get(env_id) if all(r["script"] == "cleanba_ppo.py" for r in group) else None
+        scripts = {r["script"] for r in group}  # one method, one script: its published counterpart, if any
+        published = PUBLISHED.get((scripts.pop(), env_id)) if len(scripts) == 1 else None
         steps = f"{np.median([r['curve'][-1][0] for r in group]):,.0f}"
         game_rows.append(
             [
@@ -294,7 +297,7 @@ def main():
                 f"{published[0]:g} ± {published[1]:g} ({published[2]})" if published else "—",
             ]
         )
-    header = ["method", "env_id", "seeds", "steps", "final score (mean ± std)", "minutes per run", "published (PPO)"]
+    header = ["method", "env_id", "seeds", "steps", "final score (mean ± std)", "minutes per run", "published"]
     write_table(os.path.join(args.out, "games"), header, game_rows)
     for env_id in sorted({run["env_id"] for run in runs}):
         plot_curves(

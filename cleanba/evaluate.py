@@ -1,4 +1,5 @@
-"""Plays episodes with the model a run saved (--save-model): the policy's actions sampled as the actors sample them.
+"""Plays episodes with the model a run saved (--save-model): the policy's actions sampled as the actors sample them
+(PQN's: epsilon-greedy at the run's final --end-e).
 
     python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1]
 
@@ -45,6 +46,8 @@ def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float
     args = script.Args(**{k: v for k, v in config["args"].items() if k in fields})
     if seed is not None:
         args.seed = seed
+    if hasattr(args, "end_e"):  # Q-learning (PQN) plays epsilon-greedily at its final exploration rate, not its first
+        args.start_e = args.end_e
     networks = script.make_networks(args, envpool.make_spec(args.env_id, **script.env_options(args)))
     envs = script.make_env(args, 1, EVAL_ENV_INDEX)
     handle, rollout = script.make_rollout(args, networks, envs, np.array([EVAL_ENV_INDEX]), jax.default_backend())

@@ -21,9 +21,11 @@ sys.path.insert(0, os.path.join(REPO, "cleanba"))
 
 from events import read_scalars  # noqa: E402, F401 (for the tests)
 
-SCRIPTS = {algo: os.path.join(REPO, "cleanba", f"cleanba_{algo}.py") for algo in ("ppo", "impala")}
+SCRIPTS = {algo: os.path.join(REPO, "cleanba", f"cleanba_{algo}.py") for algo in ("ppo", "impala", "pqn")}
 
 ALGOS = list(SCRIPTS)
+# What a policy's distribution makes possible: continuous actions (a Gaussian), log-probabilities to replay.
+POLICY_GRADIENT = ["ppo", "impala"]
 
 # Small, fast settings shared by the tests; each test adds what it is about. With the default 2 actor
 # threads, CARTPOLE has 8 envs of 32 steps: 256 per update.
@@ -39,6 +41,11 @@ CARTPOLE_SOLVE = {
     "--clip-coef 0.2 --total-timesteps 300000 --log-frequency 10",
     "impala": "--env-id CartPole-v1 --local-num-envs 16 --num-actor-threads 1 --num-steps 20 --learning-rate 1e-3 "
     "--max-grad-norm 10 --vtrace-lambda 0.95 --total-timesteps 500000 --log-frequency 50",
+    # PQN: CleanRL's pqn.py settings (4 envs x 128 steps, 4 minibatches x 4 epochs, RAdam 2.5e-4, epsilon from 1 to
+    # 0.05 over half the run), ~35 s here.
+    "pqn": "--env-id CartPole-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 128 --num-minibatches 4 "
+    "--update-epochs 4 --learning-rate 2.5e-4 --end-e 0.05 --exploration-fraction 0.5 --total-timesteps 500000 "
+    "--log-frequency 10",
 }
 CARTPOLE_SOLVE = {algo: flags.split() for algo, flags in CARTPOLE_SOLVE.items()}
 # A dict observation (image, direction, mission) and a recurrent policy.

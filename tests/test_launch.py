@@ -14,8 +14,10 @@ import pytest
 from helpers import REPO, load_module, read_scalars, run_dirs
 from slurm_cluster import missing_tools, slurm_cluster
 
-SHORT_PPO = [sys.executable, os.path.join(REPO, "cleanba", "cleanba_ppo.py")]
-SHORT_PPO += "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
+SHORT = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
+SHORT_PPO, SHORT_PQN = (
+    [sys.executable, os.path.join(REPO, "cleanba", f"cleanba_{algo}.py"), *SHORT] for algo in ("ppo", "pqn")
+)
 aggregate = load_module(os.path.join(REPO, "cleanba", "aggregate.py"))
 
 
@@ -39,10 +41,11 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def local_grid(tmp_path_factory):
-    """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed."""
+    """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed, of PQN (the
+    SLURM grids run PPO: the launchers take any script's command)."""
     cwd = tmp_path_factory.mktemp("grid")
     envs = "CartPole-v1 Acrobot-v1 MountainCar-v0 NoSuchGame-v5"
-    return cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", SHORT_PPO)
+    return cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", SHORT_PQN)
 
 
 @pytest.mark.slurm
@@ -151,7 +154,7 @@ def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
     with open(tmp_path / "scores.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted(r["env_id"] for r in rows) == ["Acrobot-v1", "CartPole-v1", "MountainCar-v0"]
-    assert {r["script"] for r in rows} == {"cleanba_ppo.py"}
+    assert {r["script"] for r in rows} == {"cleanba_pqn.py"}
     cartpole = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1"]
     assert all(9 <= score <= 500 for score in cartpole)
     with open(tmp_path / "games.md") as f:
@@ -159,7 +162,7 @@ def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
     score, minutes, published = [cell.strip() for cell in row.strip().strip("|").split("|")][4:]
     assert float(score.split(" ± ")[0]) == pytest.approx(cartpole[0], abs=0.05)
     assert 0 < float(minutes) < 5
-    assert published.startswith(f"{aggregate.PUBLISHED['CartPole-v1'][0]:g} ± ")
+    assert published.startswith(f"{aggregate.PUBLISHED['cleanba_pqn.py', 'CartPole-v1'][0]:g} ± ")
     # Raw returns of different games are not on one scale: without Atari games there is nothing to aggregate.
     assert "no Atari game to aggregate over" in result.stdout
     assert not os.path.exists(tmp_path / "aggregates.md")

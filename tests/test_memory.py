@@ -4,22 +4,39 @@ computed, layouts agree, and a recurrent policy on dict observations trains thro
 import signal
 
 import numpy as np
-from helpers import CARTPOLE_LSTM, load_script, only_run, read_scalars, script_parts, start, values, wait_for_updates
+import pytest
+from helpers import (
+    CARTPOLE_LSTM,
+    POLICY_GRADIENT,
+    load_script,
+    only_run,
+    read_scalars,
+    script_parts,
+    start,
+    values,
+    wait_for_updates,
+)
 from test_reproducibility import assert_bitwise_identical, assert_same_batches_close_losses
 from test_training import evaluate
 
+# PQN acts greedily here (epsilon 0) with gamma 0: each Q(lambda) target is then the step's reward, which the test sets
+# to the actor's max_a Q, the Q-value of the action it took. The learner's TD error is 0 where its replay is exact.
+REPLAY_FLAGS = {"ppo": [], "impala": [], "pqn": ["--start-e", 0, "--end-e", 0, "--gamma", 0]}
+
 
 def test_the_learner_replays_what_the_actor_computed(algo):
-    """Before any gradient step, the learner's log-probabilities of the stored actions equal the actor's: every chunk
-    (PPO) or unroll (IMPALA) is replayed from the core state the actor recorded, zeroed where an episode starts. The
-    policy head is scaled up so that its actions depend strongly on the core state, and the learning rate is too
-    small to move a parameter: the update's approximate KL between the two is then ~0. Replayed from zero states
-    instead (what a learner without recorded states would do), the same check fails."""
+    """Before any gradient step, the learner's outputs for the stored actions equal the actor's (PPO and IMPALA: the
+    log-probabilities, measured by the update's approximate KL; PQN: the Q-values, by its TD loss): every chunk (PPO,
+    PQN) or unroll (IMPALA) is replayed from the core state the actor recorded, zeroed where an episode starts. The
+    head is scaled up so that its outputs depend strongly on the core state, and the learning rate is too small to
+    move a parameter. Replayed from zero states instead (what a learner without recorded states would do), the same
+    check fails."""
     script = load_script(algo)
     flags = [*CARTPOLE_LSTM, "--local-num-envs", 4, "--num-actor-threads", 1, "--learning-rate", 1e-30]
-    args, cfg, _, networks, state = script_parts(script, *flags, "--total-timesteps", 3 * 4 * 32)
+    args, cfg, _, networks, state = script_parts(script, *flags, *REPLAY_FLAGS[algo], "--total-timesteps", 3 * 4 * 32)
     params = script.to_host(state.params)
-    params["actor"]["params"]["Dense_0"]["kernel"] = params["actor"]["params"]["Dense_0"]["kernel"] * 300.0
+    head = params["q_head"]["params"] if algo == "pqn" else params["actor"]["params"]["Dense_0"]
+    head["kernel"] = head["kernel"] * 300.0
     state = state.replace(params=script.replicate(params, cfg))
     actors = script.Actors(args, cfg, networks, start_update=0)
     try:
@@ -34,14 +51,20 @@ def test_the_learner_replays_what_the_actor_computed(algo):
     assert first_steps.sum() >= 4 and first_steps[1:].reshape(31, 4).any(axis=1).sum() >= 4
     assert np.abs(batch["core_states"][0, 0]).max() > 0.01  # the rollout starts mid-episode, from a recorded state
     update = script.make_update(args, cfg, networks)
+    if algo == "pqn":
+        batch["rewards"] = batch["values"][:, :-1]
 
-    def approx_kl(batch):
-        return float(script.to_host(update(state, batch, 2)[1])["approx_kl"])
+    def mismatch(batch):  # relative to the Q-values' scale for PQN
+        losses = script.to_host(update(state, batch, 2)[1])
+        return (
+            float(losses["loss"] / np.mean(np.square(batch["values"]))) if algo == "pqn" else float(losses["approx_kl"])
+        )
 
-    assert approx_kl(batch) < 1e-9
-    assert approx_kl({**batch, "core_states": np.zeros_like(batch["core_states"])}) > 1e-4
+    assert mismatch(batch) < 1e-9
+    assert mismatch({**batch, "core_states": np.zeros_like(batch["core_states"])}) > 1e-4
 
 
+@pytest.mark.parametrize("algo", POLICY_GRADIENT, indirect=True)
 def test_layouts_agree_with_a_core(lstm_runs):
     """CartPole with an LSTM (conftest.py) on 2 actor threads, 1 thread and 2 learner devices: the same batches and
     losses (replayed from the recorded core states) within compare_runs.py's tolerances; the same layout twice bit
@@ -68,6 +91,7 @@ MINIGRID_EMPTY = {
 LEARNED = 0.7  # both reach ~0.9 here (returns and sampled evaluations)
 
 
+@pytest.mark.parametrize("algo", POLICY_GRADIENT)
 def test_a_recurrent_policy_on_dict_observations_trains_resumes_and_evaluates(algo, tmp_path):
     """A MiniGrid room with an LSTM: SIGTERM partway (checkpoint, exit 143), the same command resumes (the envs and
     their core states start over), the run learns to reach the goal, and evaluate.py plays the saved model, carrying

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from compare_runs import compare, within_tolerance
-from helpers import BREAKOUT, REPO, Run, check, finished_run, load_checkpoint, run, run_processes
+from helpers import BREAKOUT, POLICY_GRADIENT, REPO, Run, check, finished_run, load_checkpoint, run, run_processes
 
 COMPARED_UPDATES, ATARI_UPDATES = 10, 5
 
@@ -32,7 +32,7 @@ def assert_same_batches_close_losses(
 def assert_close_losses(records_a, records_b, updates: int, context: str = ""):
     """Every loss series within compare_runs.py's tolerance over the first updates."""
     differences = compare(records_a, records_b, updates)["max_relative_difference"]
-    assert set(differences) >= {"loss", "policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"}
+    assert set(differences) >= {"loss", "grad_norm"} and len(differences) >= 4  # PQN: loss, Q-values, targets too
     for name, (difference, update) in differences.items():
         assert within_tolerance(name, difference), f"{context}{name} differs by {difference:.2e} at update {update}"
 
@@ -90,7 +90,7 @@ def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
     assert [r["data_version"] for r in records_sync] == list(range(1, 13))
     assert records_cleanba[0] == records_sync[0]  # both learners start from p1's data
     for a, b in zip(records_cleanba[1:], records_sync[1:], strict=True):
-        assert a["losses"]["approx_kl"] != b["losses"]["approx_kl"] and a["losses"]["loss"] != b["losses"]["loss"]
+        assert a["losses"]["loss"] != b["losses"]["loss"]
     same_batches = [a["fingerprint"] == b["fingerprint"] for a, b in zip(records_cleanba, records_sync, strict=True)]
     assert False in same_batches, "the two architectures collected the same trajectories throughout"
     first_difference = same_batches.index(False)
@@ -104,6 +104,7 @@ def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algo", POLICY_GRADIENT)
 def test_atari_layouts(tmp_path, algo):
     """Breakout-v5 with the ResNet on two layouts of one configuration, with the same actor threads: the learner on
     one device, and two processes (--distributed) of one actor thread each, whose learner reduces over both. (An
@@ -132,6 +133,7 @@ def test_atari_layouts(tmp_path, algo):
     assert_same_batches_close_losses(records[0], records[1], batch_updates=ATARI_UPDATES, loss_updates=2)
 
 
+@pytest.mark.parametrize("algo", POLICY_GRADIENT, indirect=True)
 def test_continuous_control_across_layouts(continuous_runs):
     """HalfCheetah-v4 (a Gaussian policy; observations and rewards normalised by running statistics) in one
     configuration on three layouts (conftest.py). The learner on 1 or 2 devices acts on the same batch (the same

@@ -11,10 +11,22 @@ import numpy as np
 import pytest
 import scipy.stats
 import tyro
-from helpers import CARTPOLE, MINIGRID_LSTM, SCRIPTS, check, load_script, run, run_dirs, script_env, script_parts
+from helpers import (
+    CARTPOLE,
+    MINIGRID_LSTM,
+    POLICY_GRADIENT,
+    SCRIPTS,
+    check,
+    load_script,
+    run,
+    run_dirs,
+    script_env,
+    script_parts,
+)
 
-# What the two scripts do differently on purpose: their arguments and checks, the actor's rollout (what it records),
-# the update and the optimiser. Everything else they define under the same name must stay identical.
+# What the scripts do differently on purpose: their arguments and checks, the actor's rollout (what it records),
+# the update and the optimiser; PQN's networks are a Q-network. Everything else they define under one name must stay
+# identical.
 DIFFERENT_ON_PURPOSE = {
     "Args",
     "check_args",
@@ -23,6 +35,7 @@ DIFFERENT_ON_PURPOSE = {
     "make_update",
     "init_train_state",
 }
+Q_NETWORK = {"Networks", "make_networks", "forward"}
 
 
 def definitions(path: str) -> dict[str, str]:
@@ -45,16 +58,30 @@ def definitions(path: str) -> dict[str, str]:
     return found
 
 
-def test_shared_code_is_identical_in_both_scripts():
-    """Copy-and-modify must not turn into quiet divergence: whatever both scripts define under one name is the
+def test_shared_code_is_identical_in_every_script():
+    """Copy-and-modify must not turn into quiet divergence: whatever two scripts define under one name is the
     same text, except what they do differently on purpose."""
-    ppo, impala = definitions(SCRIPTS["ppo"]), definitions(SCRIPTS["impala"])
-    assert DIFFERENT_ON_PURPOSE <= set(ppo) & set(impala)  # the list names nothing that is gone
-    shared = set(ppo) & set(impala)
-    assert len(shared) > 40, sorted(shared)
-    drifted = sorted(name for name in shared - DIFFERENT_ON_PURPOSE if ppo[name] != impala[name])
-    assert not drifted, f"shared code differs between the scripts: {drifted}"
+    ppo, impala, pqn = (definitions(SCRIPTS[algo]) for algo in ("ppo", "impala", "pqn"))
+    for (name_a, a), (name_b, b), on_purpose in [
+        (("ppo", ppo), ("impala", impala), DIFFERENT_ON_PURPOSE),
+        (("ppo", ppo), ("pqn", pqn), DIFFERENT_ON_PURPOSE | Q_NETWORK),
+        (("impala", impala), ("pqn", pqn), DIFFERENT_ON_PURPOSE | Q_NETWORK),
+    ]:
+        assert on_purpose <= set(a) & set(b)  # the lists name nothing that is gone
+        shared = set(a) & set(b)
+        assert len(shared) > 40, sorted(shared)
+        drifted = sorted(name for name in shared - on_purpose if a[name] != b[name])
+        assert not drifted, f"shared code differs between {name_a} and {name_b}: {drifted}"
     assert set(ppo) ^ set(impala) == {"gae", "vtrace_targets"}  # each algorithm's own targets
+    # PQN has no policy distribution and no normalisation statistics (discrete actions only; Atari's frames, CartPole).
+    policy = {"Categorical", "DiagonalGaussian", "Actor", "running_stats", "normalisation"}
+    policy |= {
+        f"{cls}.{method}"
+        for cls in ("Categorical", "DiagonalGaussian")
+        for method in ("sample", "log_prob_and_entropy")
+    }
+    assert set(ppo) - set(pqn) == {"gae", "Actor.__call__", *policy}
+    assert set(pqn) - set(ppo) == {"q_lambda_returns", "exploration_rate"}
 
 
 def test_every_field_is_algorithm_or_runtime(algo, tmp_path, monkeypatch):
@@ -103,14 +130,25 @@ BAD_INPUT = [
     (["--env-id", "Breakout-v5", "--frame-stack", 0], "--frame-stack"),
     (["--env-id", "Taxi-v3"], "--env-id"),  # a discrete observation: nothing to encode it
     (["--env-id", "Highway-v0"], "--env-id"),  # a matrix of vehicles: neither a vector nor an image
-    (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs"),
 ]
+NORM_OBS_ON_A_DICT = (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs")
 ALGO_BAD_INPUT = {
     "ppo": [
         (["--num-steps", 10, "--num-minibatches", 3], "--num-minibatches"),
         (["--update-epochs", 0], "--update-epochs"),
+        NORM_OBS_ON_A_DICT,
     ],
-    "impala": [(["--local-num-envs", 6, "--num-actor-threads", 1, "--num-minibatches", 4], "--num-minibatches")],
+    "impala": [
+        (["--local-num-envs", 6, "--num-actor-threads", 1, "--num-minibatches", 4], "--num-minibatches"),
+        NORM_OBS_ON_A_DICT,
+    ],
+    "pqn": [
+        (["--env-id", "HalfCheetah-v4"], "--env-id"),  # continuous actions: no arg max
+        (["--num-steps", 10, "--num-minibatches", 3], "--num-minibatches"),
+        (["--q-lambda", 1.5], "--q-lambda"),
+        (["--end-e", -0.1], "--end-e"),
+        (["--exploration-fraction", 0], "--exploration-fraction"),
+    ],
 }
 
 
@@ -178,6 +216,7 @@ def test_environment_threads_share_the_cpus(algo):
     assert envs.config["num_threads"] == 4 and envs.config["thread_affinity_offset"] == 4
 
 
+@pytest.mark.parametrize("algo", POLICY_GRADIENT)
 def test_the_gaussian_head_is_a_diagonal_normal(algo):
     script = load_script(algo)
     mean, log_std, action = np.array([[0.3, -1.0]]), np.array([[0.1, -0.5]]), np.array([[1.0, 0.0]])
@@ -188,6 +227,7 @@ def test_the_gaussian_head_is_a_diagonal_normal(algo):
     assert np.mean(samples) == pytest.approx(0.5, abs=0.01) and np.std(samples) == pytest.approx(np.exp(-1.0), rel=0.02)
 
 
+@pytest.mark.parametrize("algo", POLICY_GRADIENT)
 def test_continuous_actions_are_stored_as_sampled(algo):
     """The actor clips a Gaussian's sample to the action bounds only on its way to the environment: the batch holds
     the sample itself (HalfCheetah's bounds are +-1; the initial policy's std is 1) and its log-probability under
@@ -216,9 +256,15 @@ def test_continuous_actions_are_stored_as_sampled(algo):
 
 @pytest.mark.filterwarnings("ignore:.*precision lowered:UserWarning")  # EnvPool's float64 bounds (see the scripts)
 @pytest.mark.parametrize(
-    "flags",
-    ["--env-id CartPole-v1", "--env-id HalfCheetah-v4", "--env-id CartPole-v1 --lstm-size 8", MINIGRID_LSTM],
-    ids=["cartpole", "halfcheetah", "cartpole-lstm", "minigrid-lstm"],
+    "algo, flags",
+    [
+        *[
+            (algo, flags)
+            for algo in SCRIPTS
+            for flags in ["--env-id CartPole-v1", "--env-id CartPole-v1 --lstm-size 8"]
+        ],
+        *[(algo, flags) for algo in POLICY_GRADIENT for flags in ["--env-id HalfCheetah-v4", MINIGRID_LSTM]],
+    ],
 )
 def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flags):
     """On a CPU the rollout is one compiled program with EnvPool stepping inside it; on a GPU a Python loop steps
@@ -226,7 +272,7 @@ def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flag
     the CPU, from the same seed, and must collect the same batches (a Gaussian's log-probabilities may round apart
     in the last bit: the policy is compiled into another program)."""
     script = load_script(algo)
-    args, _, _, networks, state = script_parts(script, *flags.split(), "--num-steps", 16)
+    args, _, _, networks, state = script_parts(script, *flags.split(), "--num-steps", 16, "--num-minibatches", 4)
     batches = {}
     for platform in ("cpu", "gpu"):
         envs = script.make_env(args, 4, 0)

@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "cleanba"))
 from events import read_scalars  # noqa: E402
 
-LOG_FREQUENCY = {"ppo": 1, "impala": 10}  # a point every few seconds at the paper's batch sizes on a GPU
+LOG_FREQUENCY = {"ppo": 1, "impala": 10, "pqn": 5}  # a point every few seconds at the papers' batch sizes on a GPU
 WARMUP_UPDATES = 2  # compilation, and with the Cleanba architecture a second batch collected early
 
 
@@ -133,7 +133,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-id", default="Breakout-v5")
     parser.add_argument("--minutes", type=float, default=3.5, help="wall-clock budget of each script")
-    parser.add_argument("--algos", nargs="+", choices=["ppo", "impala"], default=["ppo", "impala"])
+    parser.add_argument("--algos", nargs="+", choices=list(LOG_FREQUENCY), default=list(LOG_FREQUENCY))
     parser.add_argument("--out", default="learning", help="directory for learning.csv, learning.png, summary.txt")
     argv = sys.argv[1:]
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []

@@ -56,8 +56,9 @@ CONFIGS = {
     "cartpole": dict(  # the README's CartPole batches, with the default 2 actor threads
         ppo=["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-steps", "128"],
         impala=["--env-id", "CartPole-v1", "--local-num-envs", "16", "--num-steps", "20"],
-        updates=dict(ppo=100, impala=400),
-        log_frequency=dict(ppo=10, impala=10),
+        pqn=[*"--env-id CartPole-v1 --local-num-envs 8 --num-steps 64 --num-minibatches 4 --update-epochs 4".split()],
+        updates=dict(ppo=100, impala=400, pqn=200),
+        log_frequency=dict(ppo=10, impala=10, pqn=10),
         repeats=3,
         platforms=("cpu", "gpu"),
     ),
@@ -78,16 +79,21 @@ CONFIGS = {
     "breakout": dict(  # the default ResNet and hyperparameters on a small batch
         ppo=["--env-id", "Breakout-v5", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "32"],
         impala=["--env-id", "Breakout-v5", "--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "20"],
-        updates=dict(ppo=5, impala=12),
-        log_frequency=dict(ppo=1, impala=1),
+        # PQN: 4 minibatches, not its default 32 (on a CPU the ResNet's minibatch loops are unrolled: see make_update).
+        pqn=[
+            *"--env-id Breakout-v5 --local-num-envs 8 --num-actor-threads 1 --num-steps 32 --num-minibatches 4".split()
+        ],
+        updates=dict(ppo=5, impala=12, pqn=8),
+        log_frequency=dict(ppo=1, impala=1, pqn=1),
         repeats=1,
         platforms=("cpu", "gpu"),
     ),
-    "atari": dict(  # the paper's defaults: 2 actor threads x 64 envs, 128 steps (PPO) or 20 (IMPALA)
+    "atari": dict(  # the papers' defaults: 2 actor threads x 64 envs, 128 steps (PPO), 20 (IMPALA) or 32 (PQN)
         ppo=["--env-id", "Breakout-v5"],
         impala=["--env-id", "Breakout-v5"],
-        updates=dict(ppo=12, impala=60),
-        log_frequency=dict(ppo=1, impala=2),
+        pqn=["--env-id", "Breakout-v5"],
+        updates=dict(ppo=12, impala=60, pqn=40),
+        log_frequency=dict(ppo=1, impala=2, pqn=2),
         repeats=1,
         platforms=("gpu",),
     ),
@@ -208,18 +214,20 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
 
     # Inference: the policy's forward pass and sampling on one thread's observations as a jitted call of its own, its
     # actions brought to the host: the actor's per-step work before its rollout became one program (the yardstick
-    # the figures before and after that change share). PPO also evaluates the last observation once per rollout.
+    # the figures before and after that change share). PPO and PQN also evaluate the last observation once per rollout.
     params = jax.tree.map(lambda x: x[0], replica_params)
     first_step = jax.tree.map(lambda x: x[:1], first_rollouts[0].batch)  # a sequence of one step: (1, envs, ...)
 
     @jax.jit
     def act(params, obs, core_state, reset_after, key):
-        dist = algo.forward(networks, params, obs, core_state, reset_after)[0]
-        return jax.tree.map(lambda x: x[0], dist).sample(key)
+        output = algo.forward(networks, params, obs, core_state, reset_after)[0]
+        if algo_name == "pqn":  # Q-values: epsilon-greedy's work is their arg max (its coin flips are negligible)
+            return output[0].argmax(axis=-1)
+        return jax.tree.map(lambda x: x[0], output).sample(key)
 
     inputs = first_step["obs"], first_step["core_states"][0], ~first_step["valid"], jax.random.key(0)
     policy_first, policy_call = timed_calls(lambda: np.asarray(act(params, *inputs)), seconds / 2, 20)
-    calls_per_rollout = args.num_steps + (1 if algo_name == "ppo" else 0)
+    calls_per_rollout = args.num_steps + (1 if algo_name in ("ppo", "pqn") else 0)
     inference_seconds = policy_call * calls_per_rollout * num_threads
 
     # The learner's update on the actors' first batch, each new state replacing the last as in the script.
@@ -391,7 +399,7 @@ def main():
         choices=list(CONFIGS),
         help="configurations to measure (default: those meant for this platform)",
     )
-    parser.add_argument("--algos", nargs="+", choices=["ppo", "impala"], default=["ppo", "impala"])
+    parser.add_argument("--algos", nargs="+", choices=["ppo", "impala", "pqn"], default=["ppo", "impala", "pqn"])
     parser.add_argument("--seconds", type=float, default=3.0, help="minimum duration of each isolated timing")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed to each training run")
     parser.add_argument("--out", default="throughput.json", help="where to write the figures as JSON")
@@ -413,7 +421,7 @@ def main():
     print(f"machine: {machine}", flush=True)
     results = []
     for config_name in configs:
-        for algo in args.algos:
+        for algo in [algo for algo in args.algos if algo in CONFIGS[config_name]]:  # PQN: no continuous actions
             print(f"\n[{config_name} / {algo}] {' '.join(CONFIGS[config_name][algo])}", flush=True)
             parts = measure_parts(algo, CONFIGS[config_name][algo], args.seconds)
             print(

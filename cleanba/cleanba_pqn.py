@@ -1,0 +1,928 @@
+"""Cleanba PQN: single-file, distributed Q-learning (PQN, Gallici et al., 2024) with JAX + EnvPool.
+
+The Cleanba architecture (Huang et al., 2023): actor threads and the learner are joined by queues of size 1.
+
+    iteration:  1        2        3        4
+    actor:      p1->d1   p1->d2   p2->d3   p3->d4
+    learner:             d1->p2   d2->p3   d3->p4
+
+PQN is Q-learning without a replay buffer or a target network: many parallel environments act epsilon-greedily, the
+Q-network (LayerNorm after each hidden layer keeps its TD updates stable) is trained for a few epochs of minibatches on
+Q(lambda) returns of each rollout, and the rollout is then dropped, as PPO's is. With --concurrency the data is of
+the policy one version behind (the Cleanba timeline above); the default is synchronous (lag 0), as PQN is on-policy.
+
+Reproducibility: every environment has a global index g (over processes, actor devices, threads, envs); it is
+seeded from (seed, g), actions from (g, step), minibatches from (seed, update, epoch, g, t), and statistics are over the
+global minibatch. So the same seed gives the same batches on 1 device or many, up to float reassociation.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import Annotated, NamedTuple, TypeVar
+
+import envpool
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
+from tensorboardX import SummaryWriter
+
+# EnvPool's classic-control specs declare float64 bounds; gymnasium warns while building the space,
+# once per environment, about something that does not affect training.
+warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered", module="gymnasium")
+
+T = TypeVar("T")
+# Each field of Args says what it is (tests/test_scripts.py fails on a field that does not):
+Algorithm = Annotated[T, "algorithm"]  # what the run computes: in the run name's hash, checked on resume
+Runtime = Annotated[T, "runtime"]  # where the run executes and how it logs: a run may resume with another value
+
+
+@dataclasses.dataclass
+class Args:
+    exp_name: Algorithm[str] = os.path.basename(__file__)[: -len(".py")]  # this experiment's name (in the run name)
+    seed: Algorithm[int] = 1  # seed of the experiment: environments, action sampling, initialisation and minibatches
+    track: Runtime[bool] = False  # mirror the TensorBoard logs to Weights & Biases (honours WANDB_MODE=offline)
+    wandb_project_name: Runtime[str] = "cleanba"  # the Weights & Biases project
+    wandb_entity: Runtime[str | None] = None  # the Weights & Biases entity (team); None uses your default
+    save_model: Runtime[bool] = False  # save the final parameters in the run directory (for cleanba/evaluate.py)
+    log_frequency: Runtime[int] = 10  # log to TensorBoard and the console every this many updates
+    run_name: Runtime[str | None] = None  # under runs/; default: env id, exp name, seed, config hash (a rerun resumes)
+    resume: Runtime[bool] = True  # resume from runs/<run_name>/checkpoint.msgpack if it exists; --no-resume: start over
+    checkpoint_interval: Runtime[int] = 100  # checkpoint every this many updates (0: by --checkpoint-minutes only)
+    checkpoint_minutes: Runtime[float] = 15.0  # also write a checkpoint this many minutes after the last one
+    compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"  # resumed runs skip compiling (None: off)
+    # The algorithm's defaults are the paper's Atari settings (Gallici et al., 2024, appendix).
+    env_id: Algorithm[str] = "Breakout-v5"  # an EnvPool id with discrete actions: Atari (*-v5), MiniGrid, CartPole
+    total_timesteps: Algorithm[int] = 10_000_000  # environment steps over all environments (not Atari frames)
+    learning_rate: Algorithm[float] = 2.5e-4  # RAdam's learning rate
+    anneal_lr: Algorithm[bool] = True  # anneal the learning rate linearly to 0 over the run
+    local_num_envs: Runtime[int] = 64  # environments per actor thread (their total is the algorithm's, their split not)
+    num_steps: Algorithm[int] = 32  # steps per environment in each rollout
+    gamma: Algorithm[float] = 0.99  # discount factor
+    frame_stack: Algorithm[int] = 4  # Atari: frames per observation (EnvPool's stack_num); 1 hides motion (--lstm-size)
+    lstm_size: Algorithm[int] = 0  # units of an LSTM core after the torso: a memory for partial observability; 0: none
+    q_lambda: Algorithm[float] = 0.65  # lambda of the Q(lambda) returns: 0 is one-step Q-learning, 1 Monte Carlo
+    start_e: Algorithm[float] = 1.0  # epsilon-greedy's exploration rate at the start
+    end_e: Algorithm[float] = 0.001  # ... at the end of its annealing, and from then on
+    exploration_fraction: Algorithm[float] = 0.1  # the fraction of --total-timesteps over which epsilon is annealed
+    num_minibatches: Algorithm[int] = 32  # minibatches per epoch; each has num_steps/num_minibatches steps of every env
+    update_epochs: Algorithm[int] = 2  # passes over each batch
+    max_grad_norm: Algorithm[float] = 10.0  # global gradient-norm clipping threshold
+    concurrency: Algorithm[bool] = False  # Cleanba's architecture (actors a version behind, overlapping the learner)
+    # The layout: where the run executes, never what it computes.
+    actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
+    learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # data-parallel learner
+    num_actor_threads: Runtime[int] = 2  # actor threads per actor device, each with its own environment pool
+    distributed: Runtime[bool] = False  # one of several processes of jax.distributed (SLURM's environment is read)
+    coordinator_address: Runtime[str | None] = None  # --distributed outside SLURM: process 0's host:port
+    num_processes: Runtime[int | None] = None  # --distributed outside SLURM: the number of processes
+    process_id: Runtime[int | None] = None  # --distributed outside SLURM: this process's rank
+    heartbeat_timeout: Runtime[int] = 25  # --distributed: seconds before the others give up on a silent process
+    env_threads: Runtime[int] = 0  # EnvPool threads per actor thread; 0: a pinned, equal share of this process's CPUs
+
+
+class Config(NamedTuple):
+    """Values derived from Args and the hardware, computed and checked once, before anything starts."""
+
+    world_size: int  # processes
+    rank: int
+    num_envs: int  # over all processes
+    batch_size: int  # env steps per update, over all processes
+    num_updates: int
+    env_offset: int  # global index of this process's first environment
+    actor_devices: list
+    learner_devices: list  # global, over all processes, in rank order
+    local_learner_devices: list
+
+
+class ConfigError(ValueError):
+    """Bad input: reported as one line and exit status 2, before anything is created."""
+
+
+def check_args(args: Args):
+    """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
+    positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
+    for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ["checkpoint_interval", "env_threads", "lstm_size"]:  # 0: none by count; automatic; no core
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
+            raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    if args.run_name is not None and (not args.run_name or "/" in args.run_name or args.run_name.startswith(".")):
+        raise ConfigError(f"--run-name {args.run_name!r} must be a plain directory name")
+    for name in ["gamma", "q_lambda", "start_e", "end_e", "exploration_fraction"]:
+        if not 0 <= getattr(args, name) <= 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")
+    if args.exploration_fraction == 0:
+        raise ConfigError("--exploration-fraction must be positive (--start-e equal to --end-e keeps epsilon constant)")
+    if args.num_steps % args.num_minibatches:  # each minibatch takes as many steps from every environment
+        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}")
+    if args.env_id not in envpool.list_all_envs():
+        raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
+    if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
+        raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
+    spec = envpool.make_spec(args.env_id)
+    if not hasattr(spec.action_space, "n"):
+        raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
+    space = spec.observation_space  # what make_networks encodes: a vector, an image, or a dict of them (MiniGrid)
+    parts = list(space.spaces.values()) if hasattr(space, "spaces") else [space]
+    if not all(len(part.shape or ()) in (1, 3) or (hasattr(part, "n") and part is not space) for part in parts):
+        raise ConfigError(f"--env-id {args.env_id}: the scripts encode vectors, images and dicts of them, not {space}")
+
+
+def derive_config(args: Args) -> Config:
+    """Checks that need the devices (after jax.distributed), and the derived sizes."""
+    # A GPU that JAX cannot use (its CPU build, or a CUDA plugin of another version) must not go unnoticed.
+    if jax.default_backend() == "cpu" and os.environ.get("JAX_PLATFORMS") != "cpu" and shutil.which("nvidia-smi"):
+        if "GPU" in subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout:
+            fix = "`bash setup.sh` installs JAX's CUDA build; JAX_PLATFORMS=cpu trains on the CPU"
+            raise ConfigError(f"this machine has an NVIDIA GPU but JAX sees only the CPU: {fix}")
+    local_devices = jax.local_devices()
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if missing := [i for i in getattr(args, name) if i >= len(local_devices)]:
+            raise ConfigError(f"--{name.replace('_', '-')} {missing} do not exist: {len(local_devices)} devices here")
+    world_size, rank = jax.process_count(), jax.process_index()
+    envs_per_process = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    if envs_per_process % len(args.learner_device_ids):
+        envs = f"{args.local_num_envs} x {args.num_actor_threads} threads x {len(args.actor_device_ids)} actor devices"
+        raise ConfigError(f"--local-num-envs {envs} do not split over {len(args.learner_device_ids)} learner devices")
+    num_envs, batch_size = envs_per_process * world_size, envs_per_process * world_size * args.num_steps
+    if args.total_timesteps < batch_size:
+        raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size} steps)")
+    learners = [jax.local_devices(process_index=p)[i] for p in range(world_size) for i in args.learner_device_ids]
+    actors = [local_devices[i] for i in args.actor_device_ids]
+    local_learners = [local_devices[i] for i in args.learner_device_ids]
+    num_updates, offset = args.total_timesteps // batch_size, rank * envs_per_process
+    return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
+
+
+# The run's random streams: keys folded from --seed, then with indices free of the layout: actions with (step, global
+# env), minibatches with (update, epoch or group, global env); initialisation splits into torso and heads, core: 3.
+ACTIONS, MINIBATCHES, INITIALISATION = 0, 1, 3  # fixed numbers: every result depends on them
+
+
+def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
+    """EnvPool's threads for actor thread `pool`: --env-threads, or an equal share of `cpus` (the process's; EnvPool
+    would start one per core of the machine in each pool), pinned when consecutive (its thread i: CPU offset + i)."""
+    if args.env_threads:
+        return dict(num_threads=args.env_threads)
+    share = max(1, len(cpus) // (len(args.actor_device_ids) * args.num_actor_threads))
+    first = pool * share % len(cpus)
+    consecutive = cpus[first : first + share] == list(range(cpus[first], cpus[first] + share))
+    return dict(num_threads=share, thread_affinity_offset=cpus[first] if consecutive else -1)
+
+
+def env_options(args: Args) -> dict:
+    """EnvPool's options for --env-id, its spec's and its pools'; Atari: Machado et al.'s (2018) evaluation protocol."""
+    if not args.env_id.endswith("-v5"):
+        return {}
+    # No life-loss signal; sticky actions, the only source of stochasticity (no no-op starts); the full action set;
+    # episodes of at most 108,000 frames (at frame skip 4); rewards clipped (the unclipped one: info["reward"], logged).
+    protocol = dict(episodic_life=False, repeat_action_probability=0.25, noop_max=1, full_action_space=True)
+    return dict(protocol, max_episode_steps=108_000 // 4, reward_clip=True, stack_num=args.frame_stack)
+
+
+def make_env(args: Args, num_envs: int, first_env_index: int, **threads):
+    # EnvPool seeds env i of a pool with (pool seed) + i, so env g gets the same seed wherever it runs; each --seed
+    # has its own block of 2^20 envs (EnvPool's seeds have 31 bits), so runs with seeds 1, 2, 3 share no env.
+    seed = (args.seed * 2**20 + first_env_index) % 2**31
+    return envpool.make(args.env_id, env_type="gym", num_envs=num_envs, seed=seed, **env_options(args), **threads)
+
+
+class ResNet(nn.Module):
+    """The IMPALA network (Espeholt et al., 2018): three conv stacks of two residual blocks, then a 256-unit layer."""
+
+    layer_norm: bool = False  # LayerNorm after each stack and before the last activation (PQN's Q-network)
+
+    @nn.compact
+    def __call__(self, x):
+        normalise = nn.LayerNorm if self.layer_norm else lambda: lambda x: x  # noqa: E731
+        x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # EnvPool frames are NCHW uint8
+        for channels in (16, 32, 32):
+            x = nn.Conv(channels, kernel_size=(3, 3))(x)
+            x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+            for _ in range(2):  # a residual block
+                block = nn.Conv(channels, kernel_size=(3, 3))(nn.relu(x))
+                x = x + nn.Conv(channels, kernel_size=(3, 3))(nn.relu(block))
+            x = normalise()(x)
+        x = nn.relu(x.reshape((x.shape[0], -1)))
+        x = nn.relu(normalise()(nn.Dense(256)(x)))
+        return x, x  # shared by the policy and the value heads
+
+
+class MLP(nn.Module):
+    """Two 64-unit tanh towers, policy and value (CleanRL's classic-control PPO: with returns in the hundreds, a shared
+    torso's gradient is swamped by the value loss); PQN's has one. A dict (MiniGrid's) is encoded key by key: a grid by
+    the MiniGrid authors' small CNN (rl-starter-files), a discrete value one-hot, a vector as it is."""
+
+    discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
+    one_tower: bool = False  # one tower, for both outputs (PQN's Q-network)
+    layer_norm: bool = False  # LayerNorm then ReLU (PQN's Q-network; with tanh it reached 180-250 on CartPole, not 500)
+
+    @nn.compact
+    def __call__(self, obs):
+        def tower(x):
+            for _ in range(2):
+                x = nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x)
+                x = nn.relu(nn.LayerNorm()(x)) if self.layer_norm else nn.tanh(x)
+            return x
+
+        features, parts = [], [x for _, x in sorted(obs.items())] if isinstance(obs, dict) else [obs]
+        for x, n in zip(parts, self.discrete_sizes, strict=True):
+            if n:
+                features.append(jax.nn.one_hot(x, n))
+            elif x.ndim == 4:
+                x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(x.astype(jnp.float32)))
+                x = nn.max_pool(x, (2, 2), strides=(2, 2))
+                for channels in (32, 64):
+                    x = nn.relu(nn.Conv(channels, (2, 2), padding="VALID")(x))
+                features.append(x.reshape(x.shape[0], -1))
+            else:
+                features.append(x / 255.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32))
+        x = jnp.concatenate(features, axis=-1)
+        return (tower(x),) * 2 if self.one_tower else (tower(x), tower(x))
+
+
+class LSTMCore(nn.Module):
+    """An LSTM over each env's sequence (time-major): its state (envs, 2, size) is zeroed after each flagged step."""
+
+    size: int
+
+    @nn.compact
+    def __call__(self, state, x, reset_after):
+        def step(cell, carry, inputs):
+            x, reset = inputs
+            carry, y = cell(carry, x)
+            return jax.tree.map(lambda part: jnp.where(reset[:, None], 0.0, part), carry), y
+
+        scan = nn.scan(step, variable_broadcast="params", split_rngs={"params": False})
+        (c, h), y = scan(nn.OptimizedLSTMCell(self.size), (state[:, 0], state[:, 1]), (x, reset_after))
+        return y, jnp.stack([c, h], axis=1)
+
+
+class Networks(NamedTuple):
+    torso: nn.Module  # one tower, LayerNorm after each hidden layer
+    core: nn.Module | None  # --lstm-size's LSTM, or none
+    q_head: nn.Module  # a linear Q-value per action
+
+
+def make_networks(args: Args, spec) -> Networks:
+    """The Q-network: the torso follows the observation space (frames: the ResNet, vectors and dicts: the MLP, one
+    tower), with LayerNorm, which is what lets PQN do without a target network (Gallici et al., 2024, section 4);
+    --lstm-size puts an LSTM between the torso and the Q-values."""
+    space = spec.observation_space
+    if hasattr(space, "spaces"):  # a dict
+        discrete_sizes = tuple(getattr(part, "n", 0) for _, part in sorted(space.spaces.items()))
+        torso = MLP(discrete_sizes, one_tower=True, layer_norm=True)
+    else:
+        torso = ResNet(layer_norm=True) if len(space.shape) == 3 else MLP(one_tower=True, layer_norm=True)
+    core = LSTMCore(args.lstm_size) if args.lstm_size else None
+    return Networks(torso, core, nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1.0)))
+
+
+def forward(networks: Networks, params, obs, core_state, reset_after):
+    """(Q-values (time, envs, actions), core state) for observations (time, envs, ...). A core runs each env's sequence
+    from `core_state` (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps)."""
+    time, envs = reset_after.shape
+    merge, split = lambda x: x.reshape(time * envs, *x.shape[2:]), lambda x: x.reshape(time, envs, *x.shape[1:])  # noqa: E731
+    hidden, _ = networks.torso.apply(params["torso"], jax.tree.map(merge, obs))  # one tower: both outputs are it
+    if networks.core:
+        hidden, core_state = networks.core.apply(params["core"], core_state, split(hidden), reset_after)
+        hidden = merge(hidden)
+    return split(networks.q_head.apply(params["q_head"], hidden)), core_state
+
+
+@contextlib.contextmanager
+def timer(timings: dict, name: str):  # adds the block's wall-clock time to timings[name]
+    start = time.perf_counter()
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+class StopRequested(Exception):
+    """Raised in a thread blocked on a queue once another thread has asked everyone to stop."""
+
+
+def fault_injected(where: str, update: int) -> bool:
+    """Test hook (tests/test_failures.py): CLEANBA_FAULT=<actor|learner|nan|checkpoint>@<update>; see the README."""
+    if os.environ.get("CLEANBA_FAULT") != f"{where}@{update}":
+        return False
+    print(f"CLEANBA_FAULT: {where} fault at update {update}", file=sys.stderr)
+    return True
+
+
+class Rollout(NamedTuple):
+    """What an actor thread puts on its rollout queue: one update's data from its environments."""
+
+    version: int  # the policy version that collected the data (checked against the version contract)
+    env_ids: np.ndarray  # global indices of the thread's environments
+    batch: dict  # host arrays, time-major: (num_steps, local_num_envs, ...)
+    timings: dict
+
+
+class EnvState(NamedTuple):
+    """What an actor thread carries from one env step to the next (and across rollouts), on its actor device."""
+
+    handle: jax.Array  # EnvPool's state handle, threaded through its XLA operations to order them
+    obs: jax.Array
+    done: jax.Array  # the last step ended an episode: EnvPool resets the env on this step and ignores its action
+    episode_return: jax.Array  # unclipped (Atari's info["reward"]), for logging
+    episode_length: jax.Array
+    discounted_return: jax.Array  # --norm-reward's statistic, each env's own
+    step: jax.Array  # the actor's step counter: actions are sampled with a key of (step, global env index)
+    core: jax.Array  # the policy's core state before this step (envs, 2, --lstm-size), what the learner replays from
+
+
+def to_float32(tree):  # EnvPool's float64 (MuJoCo) as JAX computes without x64
+    return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, tree)
+
+
+def env_step_op(envs, platform: str):
+    """(A handle, the envs' step) for a rollout on an actor device of `platform`: on a CPU, EnvPool's own XLA operation
+    (envs.xla()), which a jitted program runs; elsewhere EnvPool's Python step on host arrays. MuJoCo takes and returns
+    float64, which JAX only traces with x64 on: the operation is traced so, and both give float32 back."""
+    action_dtype, handle = envs.spec.action_array_spec["action"].dtype, np.zeros(1, np.uint8)  # (GPU: orders nothing)
+    if platform == "cpu":
+        with jax.enable_x64(True):
+            handle, _, _, xla_step = envs.xla()
+
+    def env_step(handle, action):
+        if platform == "cpu":
+            with jax.enable_x64(True):
+                return to_float32(xla_step(handle, action.astype(action_dtype)))
+        obs, reward, terminated, truncated, info = envs.step(np.asarray(action, action_dtype))
+        info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
+        return handle, to_float32((obs, reward, terminated, truncated, info))
+
+    return handle, env_step
+
+
+def first_state(envs, handle, step: int, core_size: int) -> EnvState:
+    """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on, their core's zero."""
+    (obs, _), zeros = envs.reset(), np.zeros(envs.config["num_envs"], np.float32)
+    core = np.zeros((len(zeros), 2, core_size), np.float32)
+    return EnvState(handle, to_float32(obs), zeros > 0, zeros, zeros.astype(np.int32), zeros, np.int32(step), core)
+
+
+def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]:
+    """An env step's outputs: the envs' next state, and what the batch records of the step."""
+    next_obs, reward, terminated, truncated, info = outputs
+    done, valid = terminated | truncated, ~env.done  # the step out of a final observation is not a transition
+    episode_return = env.episode_return + info.get("reward", reward)  # Atari: the unclipped reward
+    episode_length = env.episode_length + valid  # EnvPool's reset step is not part of either episode
+    discounted_return = env.discounted_return * args.gamma + reward
+    record = dict(obs=env.obs, rewards=reward, terminations=terminated, dones=done, valid=valid)
+    record.update(episode_returns=jnp.where(done, episode_return, 0.0), discounted_returns=discounted_return)
+    record.update(episode_lengths=jnp.where(done, episode_length, 0))
+    ended = lambda x: jnp.where(done, 0, x)  # noqa: E731 (the sums of an episode that ended start over)
+    sums = ended(episode_return), ended(episode_length), ended(discounted_return)
+    return EnvState(handle, next_obs, done, *sums, env.step + 1, env.core), record
+
+
+def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
+    """num_steps of `act`, `env_step`, `observe`, then `bootstrap`: (params, envs' state) -> (next state, batch (T,
+    envs, ...)). On a CPU one jitted program, EnvPool stepping in a lax.scan; on a GPU that scan gave wrong observations
+    and episode ends (README, "GPUs"): a Python loop of the same jitted functions (tests/test_scripts.py: the same)."""
+
+    act, observe_step, bootstrap = jax.jit(act), jax.jit(functools.partial(observe, args)), jax.jit(bootstrap)
+
+    def step(params, env: EnvState, _=None):
+        action, policy, core = act(params, env)
+        handle, outputs = env_step(env.handle, action)
+        env, record = observe_step(env._replace(core=core), handle, outputs)
+        return env, {**policy, **record}
+
+    def rollout(replica_params, env: EnvState):
+        params, records = jax.tree.map(lambda x: x[0], replica_params), []
+        if platform == "cpu":
+            env, batch = jax.lax.scan(functools.partial(step, params), env, length=args.num_steps)
+        else:
+            for _ in range(args.num_steps):
+                env, record = step(params, env)
+                records.append(record)
+            batch = jax.tree.map(lambda *steps: jnp.stack(steps), *records)
+        return env, bootstrap(params, env, batch)
+
+    return jax.jit(rollout) if platform == "cpu" else rollout
+
+
+def exploration_rate(args: Args, global_step):
+    """Epsilon at a global env step: from --start-e to --end-e linearly over --exploration-fraction of the run."""
+    progress = jnp.minimum(global_step / (args.exploration_fraction * args.total_timesteps), 1.0)
+    return args.start_e + (args.end_e - args.start_e) * progress
+
+
+def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, platform: str):
+    """(EnvPool's handle, the actor's rollout) for the pool `envs`, whose global indices are `env_ids`."""
+    action_key = jax.random.fold_in(jax.random.key(args.seed), ACTIONS)
+    handle, env_step = env_step_op(envs, platform)
+    # Epsilon follows the global step, which the per-env step counter times the global number of envs gives.
+    num_envs = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids) * jax.process_count()
+
+    def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy, the next core state)
+        obs = jax.tree.map(lambda x: x[None], env.obs)  # a sequence of one step
+        q_values, core = forward(networks, params, obs, env.core, env.done[None])
+        q_values, epsilon = q_values[0], exploration_rate(args, env.step.astype(jnp.float32) * num_envs)
+        # One key per (environment, step): the explored actions do not depend on the layout.
+        step_key = jax.random.fold_in(action_key, env.step)
+
+        def epsilon_greedy(q, g):
+            explore_key, random_key = jax.random.split(jax.random.fold_in(step_key, g))
+            random_action = jax.random.randint(random_key, (), 0, q.shape[-1])
+            return jnp.where(jax.random.uniform(explore_key) < epsilon, random_action, jnp.argmax(q))
+
+        action = jax.vmap(epsilon_greedy)(q_values, env_ids)
+        # The greedy value max_a Q(x, a) of each observation: what the Q(lambda) returns bootstrap from.
+        return action, dict(actions=action, values=jnp.max(q_values, axis=-1), core_states=env.core), core
+
+    def bootstrap(params, env: EnvState, batch):  # the value of the last observation, to bootstrap from
+        value = act(params, env)[1]["values"]
+        return {**batch, "values": jnp.concatenate([batch["values"], value[None]])}
+
+    return handle, compile_rollout(args, act, env_step, bootstrap, platform)
+
+
+class Actors:
+    """The actor threads: each has its own EnvPool, inference on its actor device, and a params and a rollout queue
+    of size 1. Any thread's failure (the learner's too) sets `stop`, which every queue operation checks."""
+
+    def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int):
+        self.args, self.cfg, self.networks, self.start_update = args, cfg, networks, start_update
+        self.stop, self.failures, self.threads = threading.Event(), [], []
+        for device_index, device in enumerate(cfg.actor_devices):
+            for thread_index in range(args.num_actor_threads):
+                queues = queue.Queue(maxsize=1), queue.Queue(maxsize=1)  # parameters in, rollouts out
+                thread_id = device_index * args.num_actor_threads + thread_index
+                name = f"actor-{device_index}-{thread_index}"
+                thread = threading.Thread(target=self.run, args=(thread_id, device, *queues), name=name, daemon=True)
+                self.threads.append((thread, device, *queues))
+                thread.start()  # it waits for the first parameters
+
+    def run(self, *rollout_args):
+        try:
+            self.rollout(*rollout_args)
+        except StopRequested:
+            pass
+        except BaseException:
+            self.fail()
+
+    def fail(self):  # records the exception this thread is handling, and stops every thread
+        self.failures.append((threading.current_thread().name, traceback.format_exc()))
+        self.stop.set()
+
+    def rollout(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
+        """One actor thread: a rollout per update, with the parameters the learner published for it."""
+        args, num_envs = self.args, self.args.local_num_envs
+        env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
+        threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
+        envs = make_env(args, num_envs, int(env_ids[0]), **threads)
+        handle, rollout = make_rollout(args, self.networks, envs, env_ids, device.platform)
+        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, args.lstm_size), device)
+        for update in range(self.start_update + 1, self.cfg.num_updates + 1):
+            timings = {}
+            if thread_id == 0 and fault_injected("actor", update):
+                raise RuntimeError(f"CLEANBA_FAULT: injected actor failure at update {update}")
+            # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
+            if not args.concurrency or update != self.start_update + 2:
+                with timer(timings, "params_queue_get_time"):
+                    params, version = self.blocking(params_queue.get)  # the learner put them on this device
+            with timer(timings, "rollout_time"):
+                env, batch = rollout(params, env)
+                batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
+            with timer(timings, "rollout_queue_put_time"):
+                self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
+
+    def publish(self, replica_params, version: int):  # once per actor device (the learner's: nothing to copy)
+        on_device = {device: jax.device_put(replica_params, device) for device in self.cfg.actor_devices}
+        for _, device, params_queue, _ in self.threads:
+            self.blocking(params_queue.put, (on_device[device], version))
+
+    def collect(self) -> list[Rollout]:
+        return [self.blocking(rollout_queue.get) for *_, rollout_queue in self.threads]
+
+    def join(self, timeout: float):
+        deadline = time.time() + timeout
+        for thread, *_ in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.time()))
+
+    def blocking(self, queue_operation, *item):  # a queue's put or get, retried until it succeeds or the run stops
+        while not self.stop.is_set():
+            with contextlib.suppress(queue.Full, queue.Empty):
+                return queue_operation(*item, timeout=1.0)
+        raise StopRequested
+
+
+def check_version_contract(rollouts: list[Rollout], update: int, first_update: int, concurrency: bool) -> int:
+    """The learner at version `update` trains on data of that version, or with concurrency of the one before."""
+    expected = update - 1 if concurrency and update > first_update else update
+    if (versions := sorted({r.version for r in rollouts})) != [expected]:
+        raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}, not {expected}")
+    return expected
+
+
+def batch_fingerprint(batch, env_ids):
+    """A 32-bit checksum of the batch's exact fields (observations, actions, rewards, episode ends): per env a position-
+    weighted, mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact, order-free, so layout-free."""
+
+    def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
+        x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
+        x = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float32 else x.astype(jnp.uint32)
+        weights = jax.random.bits(jax.random.key(salt), (x.shape[1],), jnp.uint32) | 1
+        return jnp.sum(x * weights, axis=1, dtype=jnp.uint32)
+
+    h = env_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+    # Not the core states: floats each actor layout rounds its own way (the losses, replayed from them, are compared).
+    for salt, x in enumerate(jax.tree.leaves([batch[name] for name in ["obs", "actions", "rewards", "dones"]])):
+        h = h * jnp.uint32(31) + column_checksums(x, salt)
+    for shift, multiplier in [(16, 0x85EBCA6B), (13, 0xC2B2AE35)]:
+        h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
+    h = h ^ (h >> 16)
+    return jax.lax.psum(jnp.sum(h, dtype=jnp.uint32), "devices")
+
+
+def episode_sums(batch):
+    """Count, return sum and length sum of the episodes that ended in the batch, over all devices and processes."""
+    ended = batch["dones"].astype(jnp.float32) * batch["valid"]
+    sums = [jnp.sum(x * ended) for x in (1.0, batch["episode_returns"], batch["episode_lengths"])]
+    return jax.lax.psum(jnp.stack(sums), "devices")
+
+
+def q_lambda_returns(args: Args, rewards, values, terminations, dones):
+    """Peng's Q(lambda) returns as PQN computes them (Gallici et al., 2024), time-major: values[t] = max_a Q(x_t, a)
+    by the actor's network, values[t + 1] after a truncation that of the episode's final observation. Backward:
+    G_t = r_t + gamma (1 - termination_t) ((1 - lambda) values[t + 1] + lambda G_{t + 1}), where G_{t + 1} is
+    values[t + 1] at an episode end (truncated: bootstrap from the final observation) and after the unroll."""
+
+    def backward(next_return, step):
+        reward, next_value, terminated, done = step
+        mixed = next_value + args.q_lambda * (1.0 - done) * (next_return - next_value)
+        target = reward + args.gamma * (1.0 - terminated) * mixed
+        return target, target
+
+    steps = (rewards, values[1:], terminations, dones)
+    return jax.lax.scan(backward, values[-1], steps, reverse=True)[1]
+
+
+def make_update(args: Args, cfg: Config, networks: Networks):
+    """The learner's update, data-parallel over the learner devices (pmap axis "devices"). Minibatch k of an epoch takes
+    from env g the steps permutation(seed, update, epoch, g)[k*S:(k+1)*S], whatever device holds g; with a core, chunk
+    number permutation(...)[k] of S consecutive steps, replayed from its recorded core state. Means are global."""
+    T, S = args.num_steps, args.num_steps // args.num_minibatches  # S: time steps of each env in a minibatch
+    minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
+    # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
+    # loop the ResNet's gradient convolutions run ~10x slower, so there the minibatch loops are unrolled.
+    unroll = cfg.learner_devices[0].platform == "cpu" and isinstance(networks.torso, ResNet)
+
+    def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
+        if not unroll:
+            return jax.lax.scan(f, carry, xs)
+        outputs = []
+        for x in xs:
+            carry, output = f(carry, x)
+            outputs.append(output)
+        return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
+
+    def td_loss(params, mb, count):  # mb: (S, envs, ...)
+        q_values, _ = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0)
+        q_taken = jnp.take_along_axis(q_values, mb["actions"][..., None], axis=-1)[..., 0]
+        # Local sums over the global count: the psum of these gradients is the global mean's gradient.
+        local_mean = lambda x: jnp.sum(x * mb["valid"]) / count  # noqa: E731
+        loss = local_mean(jnp.square(q_taken - mb["targets"]))  # the targets are constants: no gradient through them
+        return loss, dict(loss=loss, q_values=local_mean(q_taken), targets=local_mean(mb["targets"]))
+
+    def update(state: TrainState, batch, update_index):
+        targets = q_lambda_returns(args, batch["rewards"], batch["values"], batch["terminations"], batch["dones"])
+        data = dict(obs=batch["obs"], actions=batch["actions"], targets=targets, core_states=batch["core_states"])
+        data.update(valid=batch["valid"].astype(jnp.float32))
+        env_ids, local_envs = batch["env_ids"], batch["env_ids"].shape[0]
+        update_key = jax.random.fold_in(minibatch_key, update_index)
+
+        def epoch(state, epoch_index):
+            epoch_key = jax.random.fold_in(update_key, epoch_index)
+            shuffled = args.num_minibatches if networks.core else T  # chunks, or steps
+            order = jax.vmap(lambda g: jax.random.permutation(jax.random.fold_in(epoch_key, g), shuffled))(env_ids)
+            if networks.core:  # whole chunks: chunk c of an env is its steps c*S ... c*S + S - 1, in order
+                order = order[:, :, None] * S + jnp.arange(S)
+            minibatch_steps = order.reshape(local_envs, args.num_minibatches, S).swapaxes(0, 1)
+
+            def minibatch(state, steps):  # steps: (local_envs, S) time indices of each env
+                mb = jax.tree.map(lambda x: x[steps.T, jnp.arange(local_envs)], data)  # time-major
+                count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
+                grads, losses = jax.grad(td_loss, has_aux=True)(state.params, mb, count)
+                grads, losses = jax.lax.psum((grads, losses), "devices")
+                losses["grad_norm"] = optax.tree.norm(grads)
+                return state.apply_gradients(grads=grads), losses
+
+            return scan(minibatch, state, minibatch_steps)
+
+        state, losses = scan(epoch, state, jnp.arange(args.update_epochs))
+        return state, jax.tree.map(jnp.mean, losses), episode_sums(batch), batch_fingerprint(batch, env_ids)
+
+    # The state is not donated: the actors keep using the parameters the learner just replaced.
+    return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
+
+
+def replicate(tree, cfg: Config):
+    """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
+    mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
+    local = lambda x: np.broadcast_to(x, (len(cfg.local_learner_devices), *np.shape(x)))  # noqa: E731
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, local(x)), tree)
+
+
+def replica(tree):  # the copy on this process's first learner device of a tree pmap keeps on each (no computation)
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+def to_host(tree):  # one replica of a tree that pmap keeps on every learner device, copied to the host in one transfer
+    return jax.tree.map(lambda x: x[0], jax.device_get(replica(tree)))
+
+
+def collate(rollouts: list[Rollout], devices: int) -> dict:
+    """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
+    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *[r.batch for r in rollouts])
+    split = lambda x: np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)  # noqa: E731
+    batch = jax.tree.map(split, batch)  # (no -1 in the shape: a run without a core records states of size 0)
+    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
+    return batch
+
+
+def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
+    """One update: (new state, its record for updates.jsonl). A non-finite loss stops the run before any use of it."""
+    if fault_injected("learner", update):
+        raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
+    if fault_injected("nan", update):
+        batch["rewards"][:] = np.nan
+    new_state, *results = update_fn(state, batch, update)
+    losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
+    for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
+        if not np.isfinite(value):
+            last = f"the last good checkpoint is the one after update {last_checkpoint}"
+            raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
+    return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
+
+
+def algorithm_config(args: Args, cfg: Config) -> dict:
+    """What the run computes: the fields marked Algorithm, and the global number of environments (not its split)."""
+    config = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if "algorithm" in f.type.__metadata__}
+    return {**config, "num_envs": cfg.num_envs}
+
+
+def start_up(args: Args) -> tuple[Config, str, dict | None]:
+    """Checks the arguments, joins the other processes, reads the checkpoint. Bad input: one line, exit 2."""
+    try:
+        check_args(args)
+        if args.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        if args.distributed:
+            # The others give up on a dead process after the heartbeat timeout; at the end, they wait for process 0.
+            timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
+        cfg = derive_config(args)
+        digest = hashlib.sha1(json.dumps(algorithm_config(args, cfg), sort_keys=True).encode()).hexdigest()[:8]
+        run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
+        path, checkpoint = f"runs/{run_name}/checkpoint.msgpack", None
+        if args.resume and os.path.exists(path):
+            with open(path, "rb") as f:
+                checkpoint = flax.serialization.msgpack_restore(f.read())
+            saved, current = json.loads(checkpoint["config"]), algorithm_config(args, cfg)
+            if changed := [f"{k} ({saved.get(k)!r}, now {v!r})" for k, v in current.items() if saved.get(k) != v]:
+                changed = f"a checkpoint of another configuration: {', '.join(changed)}"
+                raise ConfigError(f"--run-name {run_name} has {changed}; pass --no-resume to start it over")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if not args.resume and cfg.rank == 0 and os.path.exists(path):
+        os.remove(path)  # starting over: a later resume must not find the old run
+    return cfg, run_name, checkpoint
+
+
+class RunDir:
+    """What process 0 writes to runs/<run_name>/: TensorBoard events (mirrored to W&B by --track), config.json,
+    updates.jsonl (per update: version, fingerprint, losses; for compare_runs.py), checkpoints, model; console lines."""
+
+    def __init__(self, args: Args, cfg: Config, run_name: str, start_update: int, schedule):
+        self.args, self.cfg, self.schedule, self.path = args, cfg, schedule, f"runs/{run_name}"
+        self.start_update, self.start_time, self.active = start_update, time.time(), cfg.rank == 0
+        self.last_checkpoint, self.last_checkpoint_time = start_update, time.time()
+        self.episodes, self.wandb = np.zeros(3), None  # the episodes' count, return and length sums since the last log
+        if args.distributed:  # for cleanba/supervise.py: this process's rank, every process's host, the run's directory
+            name = np.frombuffer(os.uname().nodename.encode()[:64].ljust(64), np.uint8)
+            hosts = [bytes(host).decode().strip() for host in multihost_utils.process_allgather(name)]
+            self.report(rank=cfg.rank, hosts=hosts, path=self.path, update=start_update, checkpoint=start_update)
+        if not self.active:
+            return
+        ids = lambda ids: ",".join(map(str, ids))  # noqa: E731
+        notation = f"a{ids(args.actor_device_ids)}-l{ids(args.learner_device_ids)}-d{cfg.world_size}"
+        layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads)
+        layout.update(actor_devices=[str(d) for d in cfg.actor_devices], platform=jax.default_backend())
+        layout.update(learner_devices=[str(d) for d in cfg.learner_devices], num_envs=cfg.num_envs)
+        layout.update(batch_size=cfg.batch_size, num_updates=cfg.num_updates)
+        if args.track:  # the run's W&B id follows from its name: a resumed run resumes its W&B run
+            self.wandb, run_id = importlib.import_module("wandb"), hashlib.sha1(run_name.encode()).hexdigest()[:16]
+            project = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args))
+            self.wandb.init(**project, name=run_name, id=run_id, resume="allow", sync_tensorboard=True, save_code=True)
+        # Resumed, the run hides what was logged after its checkpoint; started over (--no-resume), all it logged.
+        purge_step = (start_update * cfg.batch_size + 1 if start_update else 0) if os.path.isdir(self.path) else None
+        self.writer = SummaryWriter(self.path, purge_step=purge_step)
+        table = "".join(f"|{k}|{v}|\n" for k, v in vars(args).items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
+        with open(f"{self.path}/config.json", "w") as f:
+            json.dump(config, f, indent=2)
+        kept = []  # a resumed run keeps the lines of the updates it resumes after
+        if start_update and os.path.exists(f"{self.path}/updates.jsonl"):
+            with open(f"{self.path}/updates.jsonl") as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+        self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
+        self.updates.writelines(kept)
+        batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
+        print(f"run {run_name}: {args.env_id}, {batch}; layout {notation}, actor threads: {args.num_actor_threads}")
+        used = {*cfg.actor_devices, *cfg.local_learner_devices}  # the platform, so that a CPU run is never a surprise
+        print(f"devices: {len(used)} {jax.default_backend()} ({', '.join(sorted({d.device_kind for d in used}))})")
+        if start_update:
+            resumed = f"after update {start_update} (global step {start_update * cfg.batch_size:,})"
+            print(f"resuming from {self.path}/checkpoint.msgpack {resumed}; environments restart their episodes")
+
+    def report(self, **progress):  # --distributed: how far this process got, for cleanba/supervise.py
+        if self.args.distributed:
+            print(f"cleanba-progress {json.dumps(progress)}", file=sys.stderr)
+
+    def log(self, update: int, data_version: int, record: dict, timings: dict, rollouts: list, state: TrainState):
+        self.episodes += record["episodes"]
+        if not self.active:
+            return
+        step = update * self.cfg.batch_size
+        record = dict(update=update, global_step=step, data_version=data_version, **record)
+        self.updates.write(json.dumps(record) + "\n")
+        if update % self.args.log_frequency and update != self.cfg.num_updates:
+            return
+        elapsed = time.time() - self.start_time
+        sps = int((update - self.start_update) * self.cfg.batch_size / elapsed)
+        actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
+        learning_rate = self.schedule(int(to_host(state.step))) if callable(self.schedule) else self.schedule
+        scalars = {"charts/SPS": sps, "charts/learning_rate": float(learning_rate), "stats/update": update}
+        (episodes, returns, lengths), self.episodes = self.episodes, np.zeros(3)  # sums over the episodes that ended
+        if episodes:
+            scalars.update({"charts/episodic_return": returns / episodes, "charts/episodic_length": lengths / episodes})
+        scalars.update({"stats/actor_policy_version": data_version, "stats/learner_policy_version": update})
+        scalars.update({f"losses/{name}": value for name, value in record["losses"].items()})
+        scalars.update({f"stats/{name}": seconds for name, seconds in {**actor_timings, **timings}.items()})
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
+        recent = f"{returns / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
+        learner_wait, actor_wait = timings["rollout_queue_get_time"], actor_timings.get("params_queue_get_time", 0)
+        waits = f"waits: learner {learner_wait:.2f}s, actors {actor_wait:.2f}s"  # the side that waits more is faster
+        progress = f"update {update}/{self.cfg.num_updates} | step {step:,} | SPS {sps:,} | return {recent}"
+        print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")
+
+    def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
+        """Written, flushed, then renamed (a reader never sees a partial file): when due, and when the run stops."""
+        interval, minutes = self.args.checkpoint_interval, self.args.checkpoint_minutes
+        due = (interval and update % interval == 0) or time.time() - self.last_checkpoint_time > 60 * minutes
+        if if_due and not due:
+            return
+        self.last_checkpoint, self.last_checkpoint_time = update, time.time()
+        if not self.active:
+            return
+        config = json.dumps(algorithm_config(self.args, self.cfg), sort_keys=True)
+        checkpoint = dict(state=flax.serialization.to_state_dict(to_host(state)), update=update, config=config)
+        with open(f"{self.path}/checkpoint.msgpack.tmp", "wb") as f:
+            f.write(flax.serialization.msgpack_serialize(checkpoint))
+            f.flush()
+            os.fsync(f.fileno())
+        if fault_injected("checkpoint", update):
+            os._exit(137)  # killed between the write and the rename
+        os.replace(f"{self.path}/checkpoint.msgpack.tmp", f"{self.path}/checkpoint.msgpack")
+
+    def close(self, finished: bool):
+        if self.active:
+            self.writer.close()
+            self.updates.close()
+        if finished and self.wandb:
+            self.wandb.finish()
+
+
+def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space, checkpoint: dict | None):
+    """(Parameters from --seed or the checkpoint, and the optimiser, on the learner devices; start update; schedule)"""
+    initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
+    torso_key, q_key = jax.random.split(initialisation_key)
+    dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
+    torso_params = networks.torso.init(torso_key, dummy_obs)
+    hidden, _ = networks.torso.apply(torso_params, dummy_obs)
+    params = dict(torso=torso_params)
+    if networks.core:  # a stream of its own (the other keys are those of a run without a core)
+        core_key, size = jax.random.fold_in(initialisation_key, 3), networks.core.size
+        sequence = np.zeros((1, 1, hidden.shape[-1]), np.float32)
+        params["core"] = networks.core.init(core_key, np.zeros((1, 2, size)), sequence, np.zeros((1, 1), bool))
+        hidden = np.zeros((1, size), np.float32)
+    params["q_head"] = networks.q_head.init(q_key, hidden)
+    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
+    # RAdam (Liu et al., 2020), as the paper: Adam whose early steps are damped while its variance estimate is poor.
+    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.radam(schedule))
+    state, start_update = TrainState.create(apply_fn=None, params=params, tx=tx), 0
+    if checkpoint:  # optimiser state and step count included, so the learning-rate schedule continues
+        state, start_update = flax.serialization.from_state_dict(state, checkpoint["state"]), checkpoint["update"]
+    if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
+        state, start_update = jax.device_get(multihost_utils.broadcast_one_to_all((state, start_update)))
+    return replicate(state, cfg), int(start_update), schedule
+
+
+def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: list, state: TrainState, update: int):
+    """Stops every thread and exits: 1 after a failure (its traceback once), 128 + signal after a stop signal."""
+    actors.stop.set()
+    if not actors.failures:  # first: the learner's state does not wait for the actors
+        run_dir.checkpoint(state, update)
+    actors.join(timeout=30)
+    for name, trace in actors.failures:
+        print(f"error in thread {name}:\n{trace}", file=sys.stderr)
+    preempted = not actors.failures and update < cfg.num_updates
+    if preempted and cfg.rank == 0:
+        by = signal.Signals(signals[0]).name if signals else "another process"
+        resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
+        print(f"stopped by {by} after update {update} (global step {update * cfg.batch_size:,}); {resume}")
+    if cfg.rank == 0 and args.save_model and not actors.failures and not preempted:  # for cleanba/evaluate.py
+        with open(path := f"{run_dir.path}/{args.exp_name}.cleanba_model", "wb") as f:
+            f.write(flax.serialization.to_bytes(to_host(state.params)))  # normalisation statistics included
+        print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_dir.path})")
+    run_dir.close(finished=not actors.failures and not preempted)
+    if actors.failures and args.distributed:
+        sys.stderr.flush()
+        os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
+    if actors.failures or preempted:
+        sys.exit(1 if actors.failures else 128 + (signals[0] if signals else signal.SIGTERM))
+
+
+def main(args: Args):
+    supervisor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
+    if args.distributed and not os.environ.get("CLEANBA_SUPERVISED") and os.path.exists(supervisor):
+        # cleanba/supervise.py runs this command as its child: a lost process of the run is then reported in one line.
+        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
+    cfg, run_name, checkpoint = start_up(args)
+    signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: signals.append(signum))
+    if checkpoint and checkpoint["update"] == cfg.num_updates:
+        other = "--no-resume starts it over, --run-name or --seed starts another"
+        return print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({other})")
+    networks = make_networks(args, spec := envpool.make_spec(args.env_id, **env_options(args)))
+    state, start_update, schedule = init_train_state(args, cfg, networks, spec.observation_space, checkpoint)
+    run_dir = RunDir(args, cfg, run_name, start_update, schedule)
+    update_fn = make_update(args, cfg, networks)
+    actors = Actors(args, cfg, networks, start_update)
+    # All processes stop after the same update, or one would wait forever in a collective of the next.
+    any_process = jax.pmap(lambda stop: jax.lax.psum(stop, "devices"), "devices", devices=cfg.learner_devices)
+
+    update = start_update
+    try:
+        actors.publish(replica(state.params), start_update + 1)
+        for update in range(start_update + 1, cfg.num_updates + 1):
+            timings = {}
+            with timer(timings, "rollout_queue_get_time"):
+                rollouts = actors.collect()
+            data_version = check_version_contract(rollouts, update, start_update + 1, args.concurrency)
+            batch = collate(rollouts, len(cfg.local_learner_devices))
+            with timer(timings, "update_time"):
+                state, record = learn(update_fn, state, batch, update, run_dir.last_checkpoint)
+            if update < cfg.num_updates:
+                actors.publish(replica(state.params), update + 1)
+            run_dir.log(update, data_version, record, timings, rollouts, state)
+            stop = np.full(len(cfg.local_learner_devices), bool(signals), np.int32)
+            if signals if cfg.world_size == 1 else int(to_host(any_process(stop))):
+                break
+            run_dir.checkpoint(state, update, if_due=True)
+            run_dir.report(update=update, checkpoint=run_dir.last_checkpoint)
+    except StopRequested:
+        pass
+    except BaseException:
+        actors.fail()
+    finish(args, cfg, actors, run_dir, signals, state, update)
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines reach log files (SLURM's) as they are printed
+    main(tyro.cli(Args))
