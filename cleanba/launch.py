@@ -164,9 +164,7 @@ def submit(args) -> list[tuple[str, int, int, str]] | None:
     script_path = os.path.join(args.log_dir, f"{args.job_name}.sbatch")
     with open(script_path, "w") as f:
         f.write(script)
-    result = subprocess.run(
-        ["sbatch", "--parsable", *(["--wait"] if args.wait else []), script_path], capture_output=True, text=True
-    )
+    result = subprocess.run(["sbatch", "--parsable", script_path], capture_output=True, text=True)
     job_id = result.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         print(f"error: sbatch failed: {result.stderr.strip()}", file=sys.stderr)
@@ -174,6 +172,11 @@ def submit(args) -> list[tuple[str, int, int, str]] | None:
     print(f"submitted array job {job_id} ({len(experiments(args))} experiments), script {script_path}", flush=True)
     if not args.wait:
         return None
+    # squeue lists the job until its last task has ended. (sbatch --wait polls at 2, 8, then 32-second intervals,
+    # which returned up to half a minute after short jobs.) A failed query (slurmctld busy) is asked again.
+    query = ["squeue", "--noheader", "--jobs", job_id, "--format", "%i"]
+    while (queue := subprocess.run(query, capture_output=True, text=True)).returncode or queue.stdout.strip():
+        time.sleep(1)
     results = []
     for task, (env_id, seed) in enumerate(experiments(args)):
         prefix = os.path.join(args.log_dir, f"{args.job_name}_{job_id}_{task}")

@@ -177,23 +177,25 @@ def test_bad_input_as_a_user_sees_it(algo, tmp_path):
     assert "Traceback" not in result.stderr + result.stdout and run_dirs(tmp_path) == []
 
 
-def test_a_gpu_jax_cannot_see_is_refused(algo, tmp_path):
+def test_a_gpu_jax_cannot_see_is_refused(tmp_path):
     """On a machine with an NVIDIA GPU (here a stand-in nvidia-smi) and JAX's CPU build, the run stops before it
-    creates anything, with one line saying how to fix it; JAX_PLATFORMS=cpu says the CPU is wanted, and it runs."""
+    creates anything, with one line saying how to fix it; JAX_PLATFORMS=cpu says the CPU is wanted, and it runs. The
+    check is derive_config's, the same text in every script (test_shared_code_is_identical_in_every_script): PPO
+    runs it."""
     with open(tmp_path / "nvidia-smi", "w") as f:
         f.write('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000)"\n')
     os.chmod(tmp_path / "nvidia-smi", 0o755)
     env = dict(script_env(), PATH=f"{tmp_path}:{os.environ['PATH']}")
     env.pop("JAX_PLATFORMS", None)
     flags = [*CARTPOLE, "--total-timesteps", 2 * 256]
-    refused = run(tmp_path, *flags, env=env, timeout=60, algo=algo)
+    refused = run(tmp_path, *flags, env=env, timeout=60)
     assert refused.returncode == 2 and refused.stdout == "", refused.stderr
     assert refused.stderr.strip().splitlines() == [
         "error: this machine has an NVIDIA GPU but JAX sees only the CPU: `bash setup.sh` installs JAX's CUDA "
         "build; JAX_PLATFORMS=cpu trains on the CPU"
     ]
     assert run_dirs(tmp_path) == []
-    wanted = check(run(tmp_path, *flags, env=dict(env, JAX_PLATFORMS="cpu"), algo=algo))
+    wanted = check(run(tmp_path, *flags, env=dict(env, JAX_PLATFORMS="cpu")))
     assert "devices: 1 cpu (cpu)" in wanted.stdout and "update 2/2" in wanted.stdout
 
 
