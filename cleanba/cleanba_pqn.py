@@ -119,7 +119,7 @@ class ConfigError(ValueError):
 
 
 def check_args(args: Args):
-    """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
+    """Checks that need no devices (run before jax.distributed starts)."""
     positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
     for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
         if not getattr(args, name) > 0:

@@ -2,16 +2,20 @@
 started by the fixture), the local launcher, and the aggregation of the grid's logs."""
 
 import csv
+import glob
 import itertools
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import envpool
 import numpy as np
 import pytest
-from helpers import REPO, load_module, read_scalars, run_dirs
+from helpers import REPO, finished_run, load_checkpoint, load_module, read_scalars, run_dirs, run_processes
 from slurm_cluster import missing_tools, slurm_cluster
 
 SHORT = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
@@ -73,6 +77,80 @@ def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
     assert refused.returncode == 2 and "--distributed" in refused.stderr
     with open(os.path.join(run_dir, "config.json")) as f:
         assert '"processes": 2' in f.read()  # one JAX process per SLURM task, found through srun's environment
+
+
+@pytest.mark.slurm
+def test_a_job_that_loses_a_process_is_requeued_and_resumes(tmp_path, slurm):
+    """A 2-task --distributed job loses a task after a periodic checkpoint: SIGKILL to its processes (its supervisor
+    and the script), as an OOM kill or a crash would. The other task reports the loss and exits 75, the template
+    requeues the job, and the requeued job resumes from that checkpoint and finishes. From the checkpoint on, its
+    records are those of the same command resumed on this machine from a copy of the checkpoint, bit for bit."""
+    flags = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --update-epochs 1 --total-timesteps 25600"
+    flags = [
+        *flags.split(),
+        "--checkpoint-interval",
+        "25",
+        "--log-frequency",
+        "25",
+    ]  # 2 x 4 envs x 32 steps: 100 updates
+    launcher = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "cleanba", "launch.py"), "--slurm", "--wait", "--ntasks-per-node", "2"]
+        + ["--env-ids", "CartPole-v1", "--seeds", "3", "--log-dir", "logs", "--", *SHORT_PPO[:2], *flags]
+        + ["--distributed"],
+        cwd=tmp_path,
+        env=slurm,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    job_id = re.search(r"submitted array job (\d+)", launcher.stdout.readline()).group(1)
+    checkpoint = os.path.join(str(tmp_path), "runs", "*", "checkpoint.msgpack")
+    deadline = time.time() + 180
+    while not glob.glob(checkpoint) or load_checkpoint(os.path.dirname(glob.glob(checkpoint)[0]))["update"] < 25:
+        assert time.time() < deadline and launcher.poll() is None, launcher.communicate()[0]
+        time.sleep(0.05)
+    run_dir = os.path.dirname(glob.glob(checkpoint)[0])
+    reference = tmp_path / "reference" / "runs" / os.path.basename(run_dir)
+    shutil.copytree(run_dir, reference)  # the checkpoint after update 25 (the next comes 25 updates later)
+    rank_1 = [pid for pid, environ in training_processes() if environ.get("SLURM_PROCID") == "1"]
+    assert rank_1
+    for pid in rank_1:
+        os.kill(pid, signal.SIGKILL)
+    # SLURM holds a requeued batch job back for two minutes (its BeginTime): once it is pending, let it start.
+    state = ["squeue", "--noheader", "--jobs", job_id, "--format", "%T"]
+    while subprocess.run(state, env=slurm, capture_output=True, text=True).stdout.strip() != "PENDING":
+        assert time.time() < deadline and launcher.poll() is None, launcher.communicate()[0]
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], env=slurm, check=True)
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0 and "1 of 1 experiments succeeded" in output, output
+    (log,) = glob.glob(str(tmp_path / "logs" / "*.out"))
+    with open(log) as f:
+        log = f.read()
+    resumed = load_checkpoint(reference)["update"]
+    lost = rf"^error: lost process 1 \(host \S+\) after update \d+; the last checkpoint \S+ is after update {resumed}:"
+    assert re.search(lost, log, re.M), log
+    assert f"checkpoint.msgpack after update {resumed} " in log, log  # "resuming from ..."
+    records = finished_run(tmp_path).records
+    assert [r["update"] for r in records] == list(range(1, 101))
+    run_processes(tmp_path / "reference", *flags, "--env-id", "CartPole-v1", "--seed", 3)
+    assert finished_run(tmp_path / "reference").records[resumed:] == records[resumed:]
+
+
+def training_processes():
+    """(pid, environment) of this machine's processes running a training script."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"cleanba_ppo.py" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
+        except OSError:  # it exited meanwhile
+            continue
+        found.append((int(pid), {key.decode(): value.decode(errors="replace") for key, value in pairs}))
+    return found
 
 
 @pytest.mark.slurm
