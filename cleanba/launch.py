@@ -172,10 +172,13 @@ def submit(args) -> list[tuple[str, int, int, str]] | None:
     print(f"submitted array job {job_id} ({len(experiments(args))} experiments), script {script_path}", flush=True)
     if not args.wait:
         return None
-    # squeue lists the job until its last task has ended. (sbatch --wait polls at 2, 8, then 32-second intervals,
-    # which returned up to half a minute after short jobs.) A failed query (slurmctld busy) is asked again.
-    query = ["squeue", "--noheader", "--jobs", job_id, "--format", "%i"]
-    while (queue := subprocess.run(query, capture_output=True, text=True)).returncode or queue.stdout.strip():
+    # Until every task is in a final state (sbatch --wait polls at 2, 8, then 32-second intervals, which returned up to
+    # half a minute after short jobs). All states: squeue's default leaves out a task being requeued (REQUEUED), which
+    # is not over. A failed query (slurmctld busy) is asked again; a job gone from the queue is over.
+    query = ["squeue", "--noheader", "--jobs", job_id, "--states", "all", "--format", "%T"]
+    while (queue := subprocess.run(query, capture_output=True, text=True)).returncode or set(queue.stdout.split()) - {
+        *"COMPLETED FAILED CANCELLED TIMEOUT NODE_FAIL OUT_OF_MEMORY BOOT_FAIL DEADLINE".split()
+    }:
         time.sleep(1)
     results = []
     for task, (env_id, seed) in enumerate(experiments(args)):

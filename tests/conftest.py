@@ -37,13 +37,16 @@ SHARED_RUNS = {**dict.fromkeys(CARTPOLE_RUNS.split(), "cartpole"), "continuous_r
 
 def pytest_collection_modifyitems(items):
     """With pytest-xdist (--dist loadgroup), the tests that read one group of one algorithm's shared runs go to one
-    worker, which makes the runs once, and so do the tests of one module-scoped fixture."""
+    worker, which makes the runs once, and so do the tests of one module-scoped fixture (the local grid, the SLURM
+    cluster)."""
     for item in items:
         if groups := {SHARED_RUNS[name] for name in item.fixturenames if name in SHARED_RUNS}:
             (group,) = groups  # a test that read two groups would make one of them twice
             item.add_marker(pytest.mark.xdist_group(f"{group}-{item.callspec.params['algo']}"))
         elif "local_grid" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("local-grid"))
+        elif "slurm" in item.fixturenames:  # one cluster (test_launch.py's module fixture) for the SLURM tests
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 # CartPole with 8 environments in all and 12 updates; each layout below splits the same global configuration.

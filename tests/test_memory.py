@@ -19,9 +19,10 @@ from helpers import (
 from test_reproducibility import assert_bitwise_identical, assert_same_batches_close_losses
 from test_training import evaluate
 
-# PQN acts greedily here (epsilon 0) with gamma 0: each Q(lambda) target is then the step's reward, which the test sets
-# to the actor's max_a Q, the Q-value of the action it took. The learner's TD error is 0 where its replay is exact.
-REPLAY_FLAGS = {"ppo": [], "impala": [], "pqn": ["--start-e", 0, "--end-e", 0, "--gamma", 0]}
+# PQN with gamma 0: each Q(lambda) target is the step's reward, which the test sets to the actor's max_a Q. Its head
+# gives every action the same Q-value, so that is the Q-value of the action taken, whichever epsilon-greedy took (its
+# random actions end CartPole's episodes soon). The learner's TD error is 0 where its replay is exact.
+REPLAY_FLAGS = {"ppo": [], "impala": [], "pqn": ["--start-e", 1, "--end-e", 1, "--gamma", 0]}
 
 
 def test_the_learner_replays_what_the_actor_computed(algo):
@@ -37,6 +38,8 @@ def test_the_learner_replays_what_the_actor_computed(algo):
     params = script.to_host(state.params)
     head = params["q_head"]["params"] if algo == "pqn" else params["actor"]["params"]["Dense_0"]
     head["kernel"] = head["kernel"] * 300.0
+    if algo == "pqn":
+        head["kernel"] = np.repeat(head["kernel"][:, :1], head["kernel"].shape[1], axis=1)  # (its bias is 0)
     state = state.replace(params=script.replicate(params, cfg))
     actors = script.Actors(args, cfg, networks, start_update=0)
     try:
