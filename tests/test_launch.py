@@ -116,11 +116,13 @@ def test_a_job_that_loses_a_process_is_requeued_and_resumes(tmp_path, slurm):
     assert rank_1
     for pid in rank_1:
         os.kill(pid, signal.SIGKILL)
-    # SLURM holds a requeued batch job back for two minutes (its BeginTime): once it is pending, let it start.
+    # SLURM holds a requeued batch job back for two minutes (its BeginTime): once it is pending, let it start, but not
+    # within the second its old credential was revoked (slurmd then refuses it: "Job credential revoked").
     state = ["squeue", "--noheader", "--jobs", job_id, "--format", "%T"]
     while subprocess.run(state, env=slurm, capture_output=True, text=True).stdout.strip() != "PENDING":
         assert time.time() < deadline and launcher.poll() is None, launcher.communicate()[0]
         time.sleep(0.2)
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], env=slurm, check=True)
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0 and "1 of 1 experiments succeeded" in output, output
