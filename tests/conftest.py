@@ -1,11 +1,24 @@
 """What the test files share: the algorithm parameter, the settings of every script the tests start, and the
-training runs that several tests read (each made once per pytest-xdist worker that runs a test reading it)."""
+training runs that several tests read (each made once per test session, helpers.made_once)."""
 
 import os
+import shutil
 
 import jax
 import pytest
-from helpers import ALGOS, CARTPOLE, CARTPOLE_LSTM, Run, check, finished_run, run, run_processes, script_env
+from helpers import (
+    ALGOS,
+    CARTPOLE,
+    CARTPOLE_LSTM,
+    Run,
+    check,
+    finished_run,
+    made_once,
+    run,
+    run_processes,
+    script_env,
+    trained,
+)
 
 # The tests' own process checks bad input and --help in-process, on three CPU devices like the layouts the
 # scripts run with in subprocesses (set before JAX starts its backend).
@@ -29,12 +42,6 @@ def algo(request) -> str:
     return request.param
 
 
-# The training runs that several tests share are session fixtures: each pytest-xdist worker makes those its tests read.
-# (Grouping the tests of each set of runs onto one worker with --dist loadgroup made them once, but left the other
-# workers idle while one made them: the suite took 18:20 here against 16:42 without groups. pytest 9.2 no longer
-# honours the groups anyway, pytest-xdist#1386.)
-
-
 # CartPole with 8 environments in all and 12 updates; each layout below splits the same global configuration.
 CARTPOLE_8_ENVS = [*CARTPOLE, "--total-timesteps", 12 * 8 * 32]
 SYNC_FLAGS = [*CARTPOLE_8_ENVS, "--no-concurrency", "--run-name", "sync", "--save-model"]
@@ -43,60 +50,67 @@ SYNC_FLAGS = [*CARTPOLE_8_ENVS, "--no-concurrency", "--run-name", "sync", "--sav
 @pytest.fixture(scope="session")
 def sync_run(algo, tmp_path_factory) -> Run:
     """2 actor threads x 4 envs, synchronous, named, with --save-model, and the default compilation cache (under
-    runs/ in its directory, not the tests' shared one)."""
-    cwd = tmp_path_factory.mktemp(f"sync-{algo}")
-    return finished_run(cwd, check(run(cwd, *SYNC_FLAGS, algo=algo, shared_cache=False)).stdout)
+    runs/ in its directory, not the tests' shared one). A copy of its directory as it ended is kept for sync_rerun."""
+
+    def make(cwd):
+        finished = trained(*SYNC_FLAGS, algo=algo, shared_cache=False)(cwd)
+        shutil.copytree(cwd, cwd.parent / f"{cwd.name}-as-it-ended")
+        return finished
+
+    return made_once(tmp_path_factory, f"sync-{algo}", make)
 
 
 @pytest.fixture(scope="session")
-def sync_rerun(algo, sync_run) -> tuple[str, Run]:
-    """The sync run's command again (it finds the run finished), then with --no-resume (it starts over)."""
-    cwd = os.path.dirname(os.path.dirname(sync_run.path))
-    again = check(run(cwd, *SYNC_FLAGS, algo=algo, shared_cache=False))
-    over = check(run(cwd, *SYNC_FLAGS, "--no-resume", algo=algo, shared_cache=False))
-    return again.stdout, finished_run(cwd, over.stdout)
+def sync_rerun(algo, sync_run, tmp_path_factory) -> tuple[str, Run]:
+    """In a copy of the sync run's directory (its compilation cache included), the same command again (it finds the
+    run finished), then with --no-resume (it starts over). Returns the first one's output and the second run."""
+
+    def make(cwd):
+        shutil.copytree(f"{os.path.dirname(os.path.dirname(sync_run.path))}-as-it-ended", cwd, dirs_exist_ok=True)
+        again = check(run(cwd, *SYNC_FLAGS, algo=algo, shared_cache=False)).stdout
+        return again, trained(*SYNC_FLAGS, "--no-resume", algo=algo, shared_cache=False)(cwd)
+
+    return made_once(tmp_path_factory, f"sync-rerun-{algo}", make)
 
 
 @pytest.fixture(scope="session")
 def cleanba_run(algo, tmp_path_factory) -> Run:
     """The same with the Cleanba architecture, mirrored to W&B (offline)."""
-    cwd = tmp_path_factory.mktemp(f"cleanba-{algo}")
-    env = dict(script_env(), WANDB_MODE="offline", WANDB_DIR=str(cwd), WANDB_SILENT="true")
-    result = check(run(cwd, *CARTPOLE_8_ENVS, "--concurrency", "--track", env=env, algo=algo))
-    return finished_run(cwd, result.stdout)
+
+    def make(cwd):
+        env = dict(script_env(), WANDB_MODE="offline", WANDB_DIR=str(cwd), WANDB_SILENT="true")
+        return trained(*CARTPOLE_8_ENVS, "--concurrency", "--track", env=env, algo=algo)(cwd)
+
+    return made_once(tmp_path_factory, f"cleanba-{algo}", make)
 
 
 @pytest.fixture(scope="session")
 def cleanba_rerun(algo, tmp_path_factory) -> Run:
     """The Cleanba run's configuration again (not mirrored to W&B, a Runtime flag), in a directory of its own."""
-    cwd = tmp_path_factory.mktemp(f"cleanba-rerun-{algo}")
-    return finished_run(cwd, check(run(cwd, *CARTPOLE_8_ENVS, "--concurrency", algo=algo)).stdout)
+    return made_once(tmp_path_factory, f"cleanba-rerun-{algo}", trained(*CARTPOLE_8_ENVS, "--concurrency", algo=algo))
 
 
 @pytest.fixture(scope="session")
 def one_thread_run(algo, tmp_path_factory) -> Run:
     """Synchronous, 1 actor thread x 8 envs."""
-    cwd = tmp_path_factory.mktemp(f"one-thread-{algo}")
     flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 8]
-    return finished_run(cwd, check(run(cwd, *flags, algo=algo)).stdout)
+    return made_once(tmp_path_factory, f"one-thread-{algo}", trained(*flags, algo=algo))
 
 
 @pytest.fixture(scope="session")
 def two_learners_run(algo, tmp_path_factory) -> Run:
     """1 actor thread x 8 envs on device 0, the learner on devices 1 and 2."""
-    cwd = tmp_path_factory.mktemp(f"two-learners-{algo}")
     flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 8]
-    layout = ["--actor-device-ids", 0, "--learner-device-ids", 1, 2]
-    return finished_run(cwd, check(run(cwd, *flags, *layout, num_devices=3, algo=algo)).stdout)
+    flags += ["--actor-device-ids", 0, "--learner-device-ids", 1, 2]
+    return made_once(tmp_path_factory, f"two-learners-{algo}", trained(*flags, num_devices=3, algo=algo))
 
 
 @pytest.fixture(scope="session")
 def two_processes_run(algo, tmp_path_factory) -> Run:
     """2 processes (--distributed on localhost) x 1 actor thread x 4 envs."""
-    cwd = tmp_path_factory.mktemp(f"two-processes-{algo}")
     flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 4]
-    outputs = run_processes(cwd, *flags, algo=algo)
-    return finished_run(cwd, outputs[0])
+    make = lambda cwd: finished_run(cwd, run_processes(cwd, *flags, algo=algo)[0])  # noqa: E731
+    return made_once(tmp_path_factory, f"two-processes-{algo}", make)
 
 
 # Continuous control: HalfCheetah-v4 (observations and rewards normalised by default), 8 envs, 1 update, on three
@@ -114,9 +128,8 @@ CONTINUOUS_LAYOUTS = {
 def continuous_runs(algo, tmp_path_factory) -> dict[str, Run]:
     runs = {}
     for name, (layout, num_devices) in CONTINUOUS_LAYOUTS.items():
-        cwd = tmp_path_factory.mktemp(f"continuous-{name}-{algo}")
-        result = run(cwd, *HALFCHEETAH_8_ENVS, "--no-concurrency", *layout, num_devices=num_devices, algo=algo)
-        runs[name] = finished_run(cwd, check(result).stdout)
+        make = trained(*HALFCHEETAH_8_ENVS, "--no-concurrency", *layout, num_devices=num_devices, algo=algo)
+        runs[name] = made_once(tmp_path_factory, f"continuous-{name}-{algo}", make)
     return runs
 
 
@@ -133,7 +146,6 @@ LSTM_LAYOUTS = {
 def lstm_runs(algo, tmp_path_factory) -> dict[str, Run]:
     runs = {}
     for name, layout in LSTM_LAYOUTS.items():
-        cwd = tmp_path_factory.mktemp(f"lstm-{name}-{algo}")
         flags = [*CARTPOLE_LSTM, "--total-timesteps", 8 * 8 * 32, "--log-frequency", 1, *layout]
-        runs[name] = finished_run(cwd, check(run(cwd, *flags, num_devices=3, algo=algo)).stdout)
+        runs[name] = made_once(tmp_path_factory, f"lstm-{name}-{algo}", trained(*flags, num_devices=3, algo=algo))
     return runs

@@ -1,10 +1,13 @@
 """Runs the training scripts as a user does (a subprocess with real flags) and reads back their logs."""
 
+import fcntl
 import functools
 import glob
 import importlib.util
 import json
 import os
+import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -244,3 +247,27 @@ def script_parts(script, *flags) -> Parts:
     networks = script.make_networks(args, spec)
     state, _, _ = script.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
     return Parts(args, cfg, spec, networks, state)
+
+
+def made_once(tmp_path_factory, name: str, make):
+    """What make(cwd) returns (a finished run, read right after it ended: a test may write to the run later, as
+    evaluate.py does), made once per test session: the first pytest-xdist worker that needs it makes it in the
+    workers' common directory, holding a lock, and the others wait for it. (Each worker making the runs its tests read
+    cost ~10% of the suite's time; grouping the tests of a run onto one worker with --dist loadgroup left the others
+    idle, and pytest 9.2 no longer honours the groups, pytest-xdist#1386.) A test that starts a run over does so in a
+    copy."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    cwd, made = root / name, root / f"{name}.pickle"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not made.exists():
+            shutil.rmtree(cwd, ignore_errors=True)  # what a worker that failed to make it left
+            cwd.mkdir()
+            made.write_bytes(pickle.dumps(make(cwd)))
+    return pickle.loads(made.read_bytes())
+
+
+def trained(*flags, **run_options):
+    """What made_once makes most runs with: the run the script trains in cwd (run()'s options), finished."""
+    return lambda cwd: finished_run(cwd, check(run(cwd, *flags, **run_options)).stdout)

@@ -63,14 +63,16 @@ def test_thread_failure_stops_the_run(tmp_path, where):
     assert session_processes(proc.pid) == []
 
 
+@pytest.mark.parametrize("algo", ["ppo"], indirect=True)
 def test_run_name_and_no_resume(sync_run, sync_rerun):
     """--run-name picks the directory; the same command again finds the run finished; --no-resume starts it
-    over, without the old run's checkpoint or logged points."""
+    over in the same directory, without the old run's checkpoint or logged points. (The run directory's code is the
+    same in every script, tests/test_scripts.py: PPO runs it.)"""
     again, over = sync_rerun
     assert sync_run.path.endswith(os.path.join("runs", "sync"))
     assert "run sync already finished 12 updates; nothing to do" in again, again
     assert "resuming" not in over.output and "update 12/12" in over.output, over.output
-    assert over.path == sync_run.path and load_checkpoint(over.path)["update"] == 12
+    assert over.path.endswith(os.path.join("runs", "sync")) and load_checkpoint(over.path)["update"] == 12
     assert [record["update"] for record in over.records] == list(range(1, 13))
     assert values(over.scalars, "stats/update") == list(range(1, 13))
 
@@ -80,7 +82,7 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
     process dies between writing a checkpoint and renaming it into place (CLEANBA_FAULT=checkpoint@K);
     every restart must resume from a complete checkpoint. The checkpoint code is the same in both scripts
     (tests/test_scripts.py); PPO runs it here."""
-    flags = [*LONG_CARTPOLE, "--checkpoint-interval", 1, "--total-timesteps", 300 * 8 * 32]
+    flags = [*LONG_CARTPOLE, "--num-actor-threads", 1, "--checkpoint-interval", 1, "--total-timesteps", 200 * 4 * 32]
     rng = np.random.default_rng(0)
     resumed_from = []
     for round_index, kill in enumerate([signal.SIGKILL, signal.SIGTERM, signal.SIGKILL]):
@@ -105,13 +107,14 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
     proc = start(tmp_path, *flags)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and f"after update {resumed_from[-1]}" in output, output[-3000:]
-    assert load_checkpoint(only_run(tmp_path))["update"] == 300
+    assert load_checkpoint(only_run(tmp_path))["update"] == 200
     assert resumed_from == sorted(resumed_from)
     assert len(run_dirs(tmp_path)) == 1
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, algo):
-    proc, output = run_with_fault(tmp_path, "nan@6", *LONG_CARTPOLE, "--checkpoint-interval", 1, algo=algo)
+    flags = [*LONG_CARTPOLE, "--num-actor-threads", 1, "--checkpoint-interval", 1]
+    proc, output = run_with_fault(tmp_path, "nan@6", *flags, algo=algo)
     assert proc.returncode == 1
     assert "non-finite loss (nan) at update 6" in output
     assert "last good checkpoint is the one after update 5" in output

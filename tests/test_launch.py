@@ -15,7 +15,16 @@ import time
 import envpool
 import numpy as np
 import pytest
-from helpers import REPO, finished_run, load_checkpoint, load_module, read_scalars, run_dirs, run_processes
+from helpers import (
+    REPO,
+    finished_run,
+    load_checkpoint,
+    load_module,
+    made_once,
+    read_scalars,
+    run_dirs,
+    run_processes,
+)
 from slurm_cluster import missing_tools, slurm_cluster
 
 SHORT = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
@@ -47,9 +56,9 @@ def slurm(tmp_path_factory):
 def local_grid(tmp_path_factory):
     """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed, of PQN (the
     SLURM grids run PPO: the launchers take any script's command)."""
-    cwd = tmp_path_factory.mktemp("grid")
     envs = "CartPole-v1 Acrobot-v1 MountainCar-v0 NoSuchGame-v5"
-    return cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", SHORT_PQN)
+    grid = lambda cwd: (cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", SHORT_PQN))  # noqa: E731
+    return made_once(tmp_path_factory, "grid", grid)
 
 
 @pytest.mark.slurm

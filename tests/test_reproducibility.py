@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from compare_runs import compare, within_tolerance
-from helpers import BREAKOUT, POLICY_GRADIENT, REPO, Run, check, finished_run, load_checkpoint, run, run_processes
+from helpers import BREAKOUT, POLICY_GRADIENT, REPO, Run, check, finished_run, load_checkpoint, run
 
 COMPARED_UPDATES, ATARI_UPDATES = 10, 5
 
@@ -45,9 +45,12 @@ def assert_bitwise_identical(a: Run, b: Run):
             assert b.scalars[tag] == series, tag
 
 
+@pytest.mark.parametrize("algo", ["ppo"], indirect=True)
 def test_same_layout_twice_is_bitwise_identical(sync_run, sync_rerun):
     """The sync run started over (--no-resume) with its own compilation cache, now warm: every fingerprint, loss
-    and logged metric bit for bit, and the cache's compiled programs compute what a compilation does."""
+    and logged metric bit for bit, and the cache's compiled programs compute what a compilation does. (Each script's
+    runs are compared bit for bit with the Cleanba architecture below, whose threads overlap; the cache is the same
+    code in every script: PPO runs it.)"""
     _, rerun = sync_rerun
     assert_bitwise_identical(sync_run, rerun)
     assert len({record["fingerprint"] for record in sync_run.records}) == 12  # every batch is new data
@@ -105,29 +108,28 @@ def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
 
 @pytest.mark.slow
 def test_atari_layouts(tmp_path):
-    """Breakout-v5 with the ResNet on two layouts of one configuration, with the same actor threads: the learner on
-    one device, and two processes (--distributed) of one actor thread each, whose learner reduces over both. (An
-    actor's network evaluates the batch of one thread's envs, and a ResNet's output depends by ~1e-6 on the batch
-    size: so both layouts act on the same batches. The learner on two devices of one process is compared on
-    CartPole, HalfCheetah and with an LSTM.) Identical batches for 5 updates; losses within tolerance for the first
-    2: the first update from the same parameters, the next after one step from parameters that differ only by the
-    first update's reassociation. Before Breakout's first reward many gradient components are near-cancelling sums,
-    and the optimisers' early steps (Adam's m/sqrt(v) is about sign(g)) turn their reassociation noise into
-    lr-sized parameter differences, so from the third update the losses drift apart (by up to ~2e-5 of their scale
-    here) while the data stay the same. The ResNet and the actors are the same code in every script; PPO runs it
-    (each script's learner is compared across layouts on CartPole; IMPALA's took ~2 minutes here as well)."""
-    # The smallest batch that still splits over 2 devices: one env per device (PPO's minibatches split time).
-    flags = [*BREAKOUT, "--total-timesteps", ATARI_UPDATES * 2 * 16, "--local-num-envs", 1, "--num-actor-threads", 1]
-    os.makedirs(tmp_path / "one")
-    outputs = {"one": check(run(tmp_path / "one", *flags, "--num-actor-threads", 2)).stdout}
-    outputs["processes"] = run_processes(tmp_path / "processes", *flags)[0]
-    for name, notation in [("one", "a0-l0-d1"), ("processes", "a0-l0-d2")]:
-        assert f"layout {notation}, " in outputs[name]
-    records = [finished_run(tmp_path / name).records for name in outputs]
-    for run_records in records:
-        assert [r["update"] for r in run_records] == list(range(1, ATARI_UPDATES + 1))
-        assert all(np.isfinite(list(r["losses"].values())).all() for r in run_records)
-    assert_same_batches_close_losses(records[0], records[1], batch_updates=ATARI_UPDATES, loss_updates=2)
+    """Breakout-v5 with the ResNet in one configuration on two layouts with the same actor thread of 2 envs: the learner
+    on the actor's device, and the learner on two other devices (one env each), whose update reduces over both. (An
+    actor's network evaluates the batch of one thread's envs, and a ResNet's output depends by ~1e-6 on the batch size:
+    so both layouts act on the same batches. Two processes are compared on CartPole, whose learner is the same code.)
+    Identical batches for 5 updates; losses within tolerance for the first 2: the first update from the same
+    parameters, the next after one step from parameters that differ only by the first update's reassociation. Before
+    Breakout's first reward many gradient components are near-cancelling sums, and the optimisers' early steps (Adam's
+    m/sqrt(v) is about sign(g)) turn their reassociation noise into lr-sized parameter differences, so from the third
+    update the losses drift apart (by up to ~2e-5 of their scale here) while the data stay the same. The ResNet and
+    the actors are the same code in every script; PPO runs it (each script's learner is compared across layouts on
+    CartPole)."""
+    flags = [*BREAKOUT, "--total-timesteps", ATARI_UPDATES * 2 * 16, "--local-num-envs", 2, "--num-actor-threads", 1]
+    layouts = {"one": [], "two_learners": ["--learner-device-ids", 1, 2]}
+    records = {}
+    for name, layout in layouts.items():
+        os.makedirs(tmp_path / name)
+        output = check(run(tmp_path / name, *flags, *layout, num_devices=3)).stdout
+        assert f"layout {'a0-l1,2-d1' if layout else 'a0-l0-d1'}, " in output
+        records[name] = finished_run(tmp_path / name).records
+        assert [r["update"] for r in records[name]] == list(range(1, ATARI_UPDATES + 1))
+        assert all(np.isfinite(list(r["losses"].values())).all() for r in records[name])
+    assert_same_batches_close_losses(records["one"], records["two_learners"], ATARI_UPDATES, loss_updates=2)
 
 
 @pytest.mark.parametrize("algo", POLICY_GRADIENT, indirect=True)

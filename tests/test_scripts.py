@@ -256,18 +256,16 @@ def test_continuous_actions_are_stored_as_sampled(algo):
     np.testing.assert_allclose(log_prob, rollout.batch["logprobs"], rtol=1e-5)
 
 
+# Each script's own rollout (make_rollout), and each kind of observation, action and core the shared code handles.
+GPU_LOOP_CASES = {
+    "ppo": ["--env-id CartPole-v1", "--env-id HalfCheetah-v4"],  # categorical; Gaussian, clipped, MuJoCo's float64
+    "impala": ["--env-id CartPole-v1 --lstm-size 8", MINIGRID_LSTM],  # a core; a dict observation bootstrapped from
+    "pqn": ["--env-id CartPole-v1 --lstm-size 8"],
+}
+
+
 @pytest.mark.filterwarnings("ignore:.*precision lowered:UserWarning")  # EnvPool's float64 bounds (see the scripts)
-@pytest.mark.parametrize(
-    "algo, flags",
-    [
-        *[
-            (algo, flags)
-            for algo in SCRIPTS
-            for flags in ["--env-id CartPole-v1", "--env-id CartPole-v1 --lstm-size 8"]
-        ],
-        *[(algo, flags) for algo in POLICY_GRADIENT for flags in ["--env-id HalfCheetah-v4", MINIGRID_LSTM]],
-    ],
-)
+@pytest.mark.parametrize("algo, flags", [(algo, flags) for algo, cases in GPU_LOOP_CASES.items() for flags in cases])
 def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flags):
     """On a CPU the rollout is one compiled program with EnvPool stepping inside it; on a GPU a Python loop steps
     the envs between jitted calls of the same functions (compile_rollout says why). CI has no GPU: here both run on
