@@ -25,6 +25,13 @@ from helpers import (
 jax.config.update("jax_num_cpu_devices", 3)
 
 
+def pytest_collection_modifyitems(items):
+    """The longest tests first: SLURM's (the requeue test takes ~3.5 minutes), then those marked slow. pytest-xdist
+    hands tests out one at a time (--maxschedchunk 1, pyproject.toml) in this order, so no worker is left running a
+    minutes-long test at the end while the others wait."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slurm") else 1 if item.get_closest_marker("slow") else 2)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_compilation_cache(tmp_path_factory):
     """Every script the tests start shares one persistent compilation cache (most compile the same programs),
