@@ -3,11 +3,13 @@ hand (no systemd), state in a temporary directory. Needs root and `apt-get insta
 (setup.sh does it where it can)."""
 
 import contextlib
+import fcntl
 import os
 import pwd
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 
 SLURM_CONF = """\
@@ -52,6 +54,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def munge_answers() -> bool:
+    return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
+
+
 def wait_until(condition, timeout, what):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -74,12 +80,16 @@ def slurm_cluster(root: str, cpus: int = 4):
     env = dict(os.environ, SLURM_CONF=conf)
 
     # munged in its usual place (/run/munge): slurm's auth/munge plugin finds it there. One that is
-    # already running (an earlier cluster on this machine) is reused.
-    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode != 0:
-        munge = pwd.getpwnam("munge")
-        os.makedirs("/run/munge", exist_ok=True)
-        os.chown("/run/munge", munge.pw_uid, munge.pw_gid)
-        subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+    # already running (an earlier cluster on this machine) is reused. Test workers that set up their clusters
+    # at the same moment take turns: a second munged started beside the first refuses the socket and exits 1.
+    with open(os.path.join(tempfile.gettempdir(), "cleanba-test-munged.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not munge_answers():
+            munge = pwd.getpwnam("munge")
+            os.makedirs("/run/munge", exist_ok=True)
+            os.chown("/run/munge", munge.pw_uid, munge.pw_gid)
+            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+            wait_until(munge_answers, 30, "munged not answering")
     daemons = []
     try:
         for daemon in ("slurmctld", "slurmd"):
