@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import (
     REPO,
+    command,
     finished_run,
     load_checkpoint,
     load_module,
@@ -28,9 +29,14 @@ from helpers import (
 from slurm_cluster import missing_tools, slurm_cluster
 
 SHORT = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
-SHORT_PPO, SHORT_PQN = (
-    [sys.executable, os.path.join(REPO, "cleanba", f"cleanba_{algo}.py"), *SHORT] for algo in ("ppo", "pqn")
-)
+
+
+def short(algo: str) -> list[str]:
+    """The command of a short CartPole run. It uses the tests' compilation cache (conftest.py), as every script the
+    tests start does: the grids' tasks compiled their programs cold otherwise, at once (~60 CPU-seconds)."""
+    return command(algo, SHORT, shared_cache=True)
+
+
 aggregate = load_module(os.path.join(REPO, "cleanba", "aggregate.py"))
 
 
@@ -57,14 +63,14 @@ def local_grid(tmp_path_factory):
     """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed, of PQN (the
     SLURM grids run PPO: the launchers take any script's command)."""
     envs = "CartPole-v1 Acrobot-v1 MountainCar-v0 NoSuchGame-v5"
-    grid = lambda cwd: (cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", SHORT_PQN))  # noqa: E731
+    grid = lambda cwd: (cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", short("pqn")))  # noqa: E731
     return made_once(tmp_path_factory, "grid", grid)
 
 
 @pytest.mark.slurm
 def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
     grid_flags = "--slurm --wait --env-ids CartPole-v1 Acrobot-v1 --seeds 1 2 --max-parallel 4 --log-dir logs --"
-    grid = tool("launch", tmp_path, grid_flags, SHORT_PPO, env=slurm)
+    grid = tool("launch", tmp_path, grid_flags, short("ppo"), env=slurm)
     assert grid.returncode == 0, grid.stdout + grid.stderr
     assert "4 of 4 experiments succeeded" in grid.stdout
     expected = [(env_id, seed) for env_id in ("CartPole-v1", "Acrobot-v1") for seed in ("1", "2")]
@@ -79,10 +85,10 @@ def test_slurm_array_grid_and_distributed_job(tmp_path, slurm):
     assert len([f for f in os.listdir(tmp_path / "logs") if f.endswith(".out")]) == 4
 
     job_flags = "--slurm --wait --job-name two-tasks --ntasks-per-node 2 --env-ids CartPole-v1 --seeds 7 --log-dir logs"
-    distributed = tool("launch", tmp_path, job_flags, "--", SHORT_PPO, "--distributed", env=slurm)
+    distributed = tool("launch", tmp_path, job_flags, "--", short("ppo"), "--distributed", env=slurm)
     assert distributed.returncode == 0, distributed.stdout + distributed.stderr
     run_dir = [d for d in run_dirs(tmp_path) if "__7__" in d][0]
-    refused = tool("launch", tmp_path, "--slurm --dry-run --ntasks-per-node 2 --env-ids CartPole-v1 --", SHORT_PPO)
+    refused = tool("launch", tmp_path, "--slurm --dry-run --ntasks-per-node 2 --env-ids CartPole-v1 --", short("ppo"))
     assert refused.returncode == 2 and "--distributed" in refused.stderr
     with open(os.path.join(run_dir, "config.json")) as f:
         assert '"processes": 2' in f.read()  # one JAX process per SLURM task, found through srun's environment
@@ -104,7 +110,16 @@ def test_a_job_that_loses_a_process_is_requeued_and_resumes(tmp_path, slurm):
     ]  # 2 x 4 envs x 32 steps: 100 updates
     launcher = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "cleanba", "launch.py"), "--slurm", "--wait", "--ntasks-per-node", "2"]
-        + ["--env-ids", "CartPole-v1", "--seeds", "3", "--log-dir", "logs", "--", *SHORT_PPO[:2], *flags]
+        + [
+            "--env-ids",
+            "CartPole-v1",
+            "--seeds",
+            "3",
+            "--log-dir",
+            "logs",
+            "--",
+            *command("ppo", flags, shared_cache=True),
+        ]
         + ["--distributed"],
         cwd=tmp_path,
         env=slurm,
@@ -170,7 +185,7 @@ def test_slurm_failed_task_is_reported(tmp_path, slurm):
         "launch",
         tmp_path,
         "--slurm --wait --env-ids NoSuchGame-v5 --seeds 1 --log-dir logs --",
-        SHORT_PPO,
+        short("ppo"),
         env=slurm,
         timeout=300,
     )
