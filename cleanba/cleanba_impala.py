@@ -33,6 +33,11 @@ import traceback
 import warnings
 from typing import Annotated, NamedTuple, TypeVar
 
+# --distributed runs this as cleanba/supervise.py's child (a lost process in one line); before the imports: ~2 s saved.
+if __name__ == "__main__" and "--distributed" in sys.argv[1:] and not os.environ.get("CLEANBA_SUPERVISED"):
+    if os.path.exists(supervisor := os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")):
+        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
+
 import envpool
 import flax
 import flax.linen as nn
@@ -45,8 +50,7 @@ from flax.training.train_state import TrainState
 from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 
-# EnvPool's classic-control specs declare float64 bounds; gymnasium warns while building the space,
-# once per environment, about something that does not affect training.
+# EnvPool's classic-control specs declare float64 bounds: gymnasium warns, once per env, of nothing that matters.
 warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered", module="gymnasium")
 with warnings.catch_warnings():  # rlax imports tfp-nightly's JAX backend, which touches a deprecated jax.core name
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -950,10 +954,6 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: li
 
 
 def main(args: Args):
-    supervisor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
-    if args.distributed and not os.environ.get("CLEANBA_SUPERVISED") and os.path.exists(supervisor):
-        # cleanba/supervise.py runs this command as its child: a lost process of the run is then reported in one line.
-        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
     cfg, run_name, checkpoint = start_up(args)
     signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
     for signum in (signal.SIGTERM, signal.SIGINT):

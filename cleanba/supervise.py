@@ -1,6 +1,6 @@
 """Runs one process of a --distributed training run and turns the loss of another process into one line.
 
-    python cleanba/supervise.py COMMAND...     (the scripts run themselves so with --distributed: see their main())
+    python cleanba/supervise.py COMMAND...     (the scripts run themselves so with --distributed: see the top of each)
 
 When another process of the run dies or stops answering, JAX stops this one: with gloo's error in a Python traceback
 (a collective's connection broke) or, from its coordination service, with a C++ abort and stack trace (the coordinator
