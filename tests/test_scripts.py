@@ -187,7 +187,7 @@ def test_a_gpu_jax_cannot_see_is_refused(tmp_path):
     os.chmod(tmp_path / "nvidia-smi", 0o755)
     env = dict(script_env(), PATH=f"{tmp_path}:{os.environ['PATH']}")
     env.pop("JAX_PLATFORMS", None)
-    flags = [*CARTPOLE, "--total-timesteps", 2 * 256]
+    flags = [*CARTPOLE, "--num-actor-threads", 1, "--total-timesteps", 2 * 128]
     refused = run(tmp_path, *flags, env=env, timeout=60)
     assert refused.returncode == 2 and refused.stdout == "", refused.stderr
     assert refused.stderr.strip().splitlines() == [
