@@ -140,12 +140,12 @@ def continuous_runs(algo, tmp_path_factory) -> dict[str, Run]:
     return runs
 
 
-# CartPole with an LSTM (--lstm-size 8), 8 envs, 8 updates, on three layouts. (The same layout twice is compared bit
-# for bit on each script's Cleanba runs, test_reproducibility.py: a core adds computation, nothing timing can change.)
+# CartPole with an LSTM (--lstm-size 8), 8 envs, 8 updates, on three layouts, and the first again.
 LSTM_LAYOUTS = {
     "two_threads": ["--num-actor-threads", 2, "--local-num-envs", 4],
     "one_thread": ["--num-actor-threads", 1, "--local-num-envs", 8],
     "two_learners": ["--num-actor-threads", 1, "--local-num-envs", 8, "--learner-device-ids", 1, 2],
+    "two_threads_again": ["--num-actor-threads", 2, "--local-num-envs", 4],
 }
 
 

@@ -16,7 +16,7 @@ from helpers import (
     values,
     wait_for_updates,
 )
-from test_reproducibility import assert_same_batches_close_losses
+from test_reproducibility import assert_bitwise_identical, assert_same_batches_close_losses
 from test_training import evaluate
 
 # PQN with gamma 0: each Q(lambda) target is the step's reward, which the test sets to the actor's max_a Q. Its head
@@ -70,8 +70,10 @@ def test_the_learner_replays_what_the_actor_computed(algo):
 @pytest.mark.parametrize("algo", POLICY_GRADIENT, indirect=True)
 def test_layouts_agree_with_a_core(lstm_runs):
     """CartPole with an LSTM (conftest.py) on 2 actor threads, 1 thread and 2 learner devices: the same batches and
-    losses (replayed from the recorded core states) within compare_runs.py's tolerances."""
+    losses (replayed from the recorded core states) within compare_runs.py's tolerances; the same layout twice bit
+    for bit."""
     runs = lstm_runs
+    assert_bitwise_identical(runs["two_threads"], runs["two_threads_again"])
     assert len({record["fingerprint"] for record in runs["one_thread"].records}) == 8
     assert_same_batches_close_losses(runs["one_thread"].records, runs["two_threads"].records, 8, 8)
     assert_same_batches_close_losses(runs["one_thread"].records, runs["two_learners"].records, 8, 8)
