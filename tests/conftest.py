@@ -56,11 +56,12 @@ SYNC_FLAGS = [*CARTPOLE_8_ENVS, "--no-concurrency", "--run-name", "sync", "--sav
 
 @pytest.fixture(scope="session")
 def sync_run(algo, tmp_path_factory) -> Run:
-    """2 actor threads x 4 envs, synchronous, named, with --save-model, and the default compilation cache (under
-    runs/ in its directory, not the tests' shared one). A copy of its directory as it ended is kept for sync_rerun."""
+    """2 actor threads x 4 envs, synchronous, named, with --save-model; PPO's with the default compilation cache (under
+    runs/ in its directory, which sync_rerun reuses), the others' with the tests' shared one (cleanba_run compiles the
+    same update). A copy of its directory as it ended is kept for sync_rerun."""
 
     def make(cwd):
-        finished = trained(*SYNC_FLAGS, algo=algo, shared_cache=False)(cwd)
+        finished = trained(*SYNC_FLAGS, algo=algo, shared_cache=algo != "ppo")(cwd)
         shutil.copytree(cwd, cwd.parent / f"{cwd.name}-as-it-ended")
         return finished
 

@@ -31,10 +31,10 @@ from slurm_cluster import missing_tools, slurm_cluster
 SHORT = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
 
 
-def short(algo: str) -> list[str]:
-    """The command of a short CartPole run. It uses the tests' compilation cache (conftest.py), as every script the
-    tests start does: the grids' tasks compiled their programs cold otherwise, at once (~60 CPU-seconds)."""
-    return command(algo, SHORT, shared_cache=True)
+def short_ppo() -> list[str]:
+    """The command of a short PPO run. It uses the tests' compilation cache (conftest.py), as every script the tests
+    start does (set up by then): the grids' tasks compiled their programs cold otherwise, all at once."""
+    return command("ppo", SHORT, shared_cache=True)
 
 
 aggregate = load_module(os.path.join(REPO, "cleanba", "aggregate.py"))
@@ -60,17 +60,17 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def local_grid(tmp_path_factory):
-    """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed, of PQN (the
-    SLURM grids run PPO: the launchers take any script's command)."""
+    """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed, of PPO (CartPole
+    and Acrobot find the programs the SLURM grid compiled, which runs first, in the tests' compilation cache)."""
     envs = "CartPole-v1 Acrobot-v1 MountainCar-v0 NoSuchGame-v5"
-    grid = lambda cwd: (cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", short("pqn")))  # noqa: E731
+    grid = lambda cwd: (cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", short_ppo()))  # noqa: E731
     return made_once(tmp_path_factory, "grid", grid)
 
 
 @pytest.mark.slurm
 def test_slurm_array_grid(tmp_path, slurm):
     grid_flags = "--slurm --wait --env-ids CartPole-v1 Acrobot-v1 --seeds 1 2 --max-parallel 4 --log-dir logs --"
-    grid = tool("launch", tmp_path, grid_flags, short("ppo"), env=slurm)
+    grid = tool("launch", tmp_path, grid_flags, short_ppo(), env=slurm)
     assert grid.returncode == 0, grid.stdout + grid.stderr
     assert "4 of 4 experiments succeeded" in grid.stdout
     expected = [(env_id, seed) for env_id in ("CartPole-v1", "Acrobot-v1") for seed in ("1", "2")]
@@ -180,7 +180,7 @@ def test_slurm_failed_task_is_reported(tmp_path, slurm):
         "launch",
         tmp_path,
         "--slurm --wait --env-ids NoSuchGame-v5 --seeds 1 --log-dir logs --",
-        short("ppo"),
+        short_ppo(),
         env=slurm,
         timeout=300,
     )
@@ -203,7 +203,7 @@ def test_slurm_dry_run_renders_the_template(tmp_path):
     for line in expected:
         assert line in result.stdout
     assert not os.path.exists(tmp_path / "launch_logs")  # a dry run writes nothing
-    two_tasks = tool("launch", tmp_path, "--slurm --dry-run --ntasks-per-node 2 --env-ids CartPole-v1 --", short("ppo"))
+    two_tasks = tool("launch", tmp_path, "--slurm --dry-run --ntasks-per-node 2 --env-ids CartPole-v1 --", short_ppo())
     assert two_tasks.returncode == 2 and "--distributed" in two_tasks.stderr  # tasks of one run need it
 
 
@@ -255,7 +255,7 @@ def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
     with open(tmp_path / "scores.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted(r["env_id"] for r in rows) == ["Acrobot-v1", "CartPole-v1", "MountainCar-v0"]
-    assert {r["script"] for r in rows} == {"cleanba_pqn.py"}
+    assert {r["script"] for r in rows} == {"cleanba_ppo.py"}
     cartpole = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1"]
     assert all(9 <= score <= 500 for score in cartpole)
     with open(tmp_path / "games.md") as f:
@@ -263,7 +263,7 @@ def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
     score, minutes, published = [cell.strip() for cell in row.strip().strip("|").split("|")][4:]
     assert float(score.split(" ± ")[0]) == pytest.approx(cartpole[0], abs=0.05)
     assert 0 < float(minutes) < 5
-    assert published.startswith(f"{aggregate.PUBLISHED['cleanba_pqn.py', 'CartPole-v1'][0]:g} ± ")
+    assert published.startswith(f"{aggregate.PUBLISHED['cleanba_ppo.py', 'CartPole-v1'][0]:g} ± ")
     # Raw returns of different games are not on one scale: without Atari games there is nothing to aggregate.
     assert "no Atari game to aggregate over" in result.stdout
     assert not os.path.exists(tmp_path / "aggregates.md")
