@@ -100,7 +100,7 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
         resumed_from.append(load_checkpoint(only_run(tmp_path))["update"])
     died_at = resumed_from[-1] + 10
     proc, output = run_with_fault(tmp_path, f"checkpoint@{died_at}", *flags, algo="ppo")
-    assert proc.returncode == 137, output[-3000:]
+    assert proc.returncode == 137 and f"checkpoint.msgpack after update {resumed_from[-1]} " in output, output[-3000:]
     assert os.path.exists(os.path.join(only_run(tmp_path), "checkpoint.msgpack.tmp"))  # the unrenamed write
     assert load_checkpoint(only_run(tmp_path))["update"] == died_at - 1
     resumed_from.append(died_at - 1)

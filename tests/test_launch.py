@@ -248,22 +248,27 @@ def test_local_launcher_shares_gpus_and_their_memory(tmp_path, workers, gpus, fr
         assert f.read().split()[1] == "0.2"
 
 
-def test_aggregate_grid_tables_and_plots(local_grid, tmp_path):
+@pytest.mark.parametrize("algo", ["pqn"], indirect=True)
+def test_aggregate_grid_tables_and_plots(local_grid, one_thread_run, tmp_path):
+    """The local grid's PPO runs and a PQN run (conftest.py's): each row names the script its run's config.json names,
+    and each table row has its script's published reference."""
     cwd, _ = local_grid
-    result = tool("aggregate", tmp_path, [str(cwd / "runs"), "--out", str(tmp_path)], "--bootstrap 200")
+    directories = [str(cwd / "runs"), os.path.dirname(one_thread_run.path)]
+    result = tool("aggregate", tmp_path, directories, ["--out", str(tmp_path)], "--bootstrap 200")
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "scores.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted(r["env_id"] for r in rows) == ["Acrobot-v1", "CartPole-v1", "MountainCar-v0"]
-    assert {r["script"] for r in rows} == {"cleanba_ppo.py"}
-    cartpole = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1"]
-    assert all(9 <= score <= 500 for score in cartpole)
-    with open(tmp_path / "games.md") as f:
-        row = [line for line in f if "CartPole-v1" in line][0]
-    score, minutes, published = [cell.strip() for cell in row.strip().strip("|").split("|")][4:]
-    assert float(score.split(" ± ")[0]) == pytest.approx(cartpole[0], abs=0.05)
-    assert 0 < float(minutes) < 5
-    assert published.startswith(f"{aggregate.PUBLISHED['cleanba_ppo.py', 'CartPole-v1'][0]:g} ± ")
+    expected = [("cleanba_ppo.py", env_id) for env_id in ("Acrobot-v1", "CartPole-v1", "MountainCar-v0")]
+    assert sorted((r["script"], r["env_id"]) for r in rows) == [*expected, ("cleanba_pqn.py", "CartPole-v1")]
+    for script in ("cleanba_ppo.py", "cleanba_pqn.py"):
+        (cartpole,) = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1" and r["script"] == script]
+        assert 9 <= cartpole <= 500
+        with open(tmp_path / "games.md") as f:
+            (row,) = [line for line in f if "CartPole-v1" in line and f"| {script[: -len('.py')]} |" in line]
+        score, minutes, published = [cell.strip() for cell in row.strip().strip("|").split("|")][4:]
+        assert float(score.split(" ± ")[0]) == pytest.approx(cartpole, abs=0.05)
+        assert 0 < float(minutes) < 5
+        assert published.startswith(f"{aggregate.PUBLISHED[script, 'CartPole-v1'][0]:g} ± ")
     # Raw returns of different games are not on one scale: without Atari games there is nothing to aggregate.
     assert "no Atari game to aggregate over" in result.stdout
     assert not os.path.exists(tmp_path / "aggregates.md")
