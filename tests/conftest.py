@@ -115,8 +115,10 @@ def two_learners_run(algo, tmp_path_factory) -> Run:
 
 @pytest.fixture(scope="session")
 def two_processes_run(algo, tmp_path_factory) -> Run:
-    """2 processes (--distributed on localhost) x 1 actor thread x 4 envs."""
-    flags = [*CARTPOLE_8_ENVS, "--no-concurrency", "--num-actor-threads", 1, "--local-num-envs", 4]
+    """2 processes (--distributed on localhost) x 1 actor thread x 4 envs. IMPALA's has an LSTM (lstm_runs' CartPole
+    below): each process's actors record their envs' core states, which the learner on both replays from."""
+    flags = [*(LSTM_8_ENVS if algo == "impala" else [*CARTPOLE_8_ENVS, "--no-concurrency"])]
+    flags += ["--num-actor-threads", 1, "--local-num-envs", 4]
     make = lambda cwd: finished_run(cwd, run_processes(cwd, *flags, algo=algo)[0])  # noqa: E731
     return made_once(tmp_path_factory, f"two-processes-{algo}", make)
 
@@ -142,6 +144,7 @@ def continuous_runs(algo, tmp_path_factory) -> dict[str, Run]:
 
 
 # CartPole with an LSTM (--lstm-size 8), 8 envs, 8 updates, on three layouts, and the first again.
+LSTM_8_ENVS = [*CARTPOLE_LSTM, "--total-timesteps", 8 * 8 * 32, "--log-frequency", 1]
 LSTM_LAYOUTS = {
     "two_threads": ["--num-actor-threads", 2, "--local-num-envs", 4],
     "one_thread": ["--num-actor-threads", 1, "--local-num-envs", 8],
@@ -154,6 +157,6 @@ LSTM_LAYOUTS = {
 def lstm_runs(algo, tmp_path_factory) -> dict[str, Run]:
     runs = {}
     for name, layout in LSTM_LAYOUTS.items():
-        flags = [*CARTPOLE_LSTM, "--total-timesteps", 8 * 8 * 32, "--log-frequency", 1, *layout]
-        runs[name] = made_once(tmp_path_factory, f"lstm-{name}-{algo}", trained(*flags, num_devices=3, algo=algo))
+        make = trained(*LSTM_8_ENVS, *layout, num_devices=3, algo=algo)
+        runs[name] = made_once(tmp_path_factory, f"lstm-{name}-{algo}", make)
     return runs

@@ -91,27 +91,13 @@ def test_a_job_that_loses_a_process_is_requeued_and_resumes(tmp_path, slurm):
     and the script), as an OOM kill or a crash would. The other task reports the loss and exits 75, the template
     requeues the job, and the requeued job resumes from that checkpoint and finishes. From the checkpoint on, its
     records are those of the same command resumed on this machine from a copy of the checkpoint, bit for bit."""
-    flags = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --update-epochs 1 --total-timesteps 25600"
-    flags = [
-        *flags.split(),
-        "--checkpoint-interval",
-        "25",
-        "--log-frequency",
-        "25",
-    ]  # 2 x 4 envs x 32 steps: 100 updates
+    # 2 x 4 envs x 32 steps: 100 updates, a checkpoint every 25.
+    flags = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --update-epochs 1 --total-timesteps 25600 "
+    flags = (flags + "--checkpoint-interval 25 --log-frequency 25").split()
+    grid = "--slurm --wait --ntasks-per-node 2 --env-ids CartPole-v1 --seeds 3 --log-dir logs --".split()
+    launch = [sys.executable, os.path.join(REPO, "cleanba", "launch.py"), *grid]
     launcher = subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "cleanba", "launch.py"), "--slurm", "--wait", "--ntasks-per-node", "2"]
-        + [
-            "--env-ids",
-            "CartPole-v1",
-            "--seeds",
-            "3",
-            "--log-dir",
-            "logs",
-            "--",
-            *command("ppo", flags, shared_cache=True),
-        ]
-        + ["--distributed"],
+        [*launch, *command("ppo", flags, shared_cache=True), "--distributed"],
         cwd=tmp_path,
         env=slurm,
         stdout=subprocess.PIPE,
@@ -149,9 +135,8 @@ def test_a_job_that_loses_a_process_is_requeued_and_resumes(tmp_path, slurm):
     assert re.search(lost, log, re.M), log
     assert f"checkpoint.msgpack after update {resumed} " in log, log  # "resuming from ..."
     finished = finished_run(tmp_path)
-    assert (
-        finished.config["layout"]["processes"] == 2
-    )  # one JAX process per SLURM task, found through srun's environment
+    # One JAX process per SLURM task, found through srun's environment.
+    assert finished.config["layout"]["processes"] == 2
     records = finished.records
     assert [r["update"] for r in records] == list(range(1, 101))
     run_processes(tmp_path / "reference", *flags, "--env-id", "CartPole-v1", "--seed", 3)
