@@ -117,8 +117,8 @@ def two_learners_run(algo, tmp_path_factory) -> Run:
 def two_processes_run(algo, tmp_path_factory) -> Run:
     """2 processes (--distributed on localhost) x 1 actor thread x 4 envs. IMPALA's has an LSTM (lstm_runs' CartPole
     below): each process's actors record their envs' core states, which the learner on both replays from."""
-    flags = [*(LSTM_8_ENVS if algo == "impala" else [*CARTPOLE_8_ENVS, "--no-concurrency"])]
-    flags += ["--num-actor-threads", 1, "--local-num-envs", 4]
+    configuration = LSTM_8_ENVS if algo == "impala" else [*CARTPOLE_8_ENVS, "--no-concurrency"]
+    flags = [*configuration, "--num-actor-threads", 1, "--local-num-envs", 4]
     make = lambda cwd: finished_run(cwd, run_processes(cwd, *flags, algo=algo)[0])  # noqa: E731
     return made_once(tmp_path_factory, f"two-processes-{algo}", make)
 
