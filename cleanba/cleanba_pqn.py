@@ -239,8 +239,8 @@ class ResNet(nn.Module):
 class MLP(nn.Module):
     """Two 64-unit tanh towers, policy and value (CleanRL's classic-control PPO: with returns in the hundreds, a shared
     torso's gradient is swamped by the value loss); PQN's Q-network: one tower of 128 units, LayerNorm, ReLU. A dict
-    (MiniGrid's) is encoded key by key: a grid by the MiniGrid authors' small CNN (rl-starter-files), a discrete value
-    one-hot, a vector as it is."""
+    (MiniGrid's) is encoded key by key: a grid by the MiniGrid authors' small CNN (rl-starter-files) over one-hot cell
+    ids, a discrete value one-hot, a vector as it is."""
 
     discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
     q_network: bool = False  # PQN's (on CartPole tanh reached 180-250 of 500, 64 ReLU units 388-497, 128 units 500)
@@ -257,8 +257,8 @@ class MLP(nn.Module):
         for x, n in zip(parts, self.discrete_sizes, strict=True):
             if n:
                 features.append(jax.nn.one_hot(x, n))
-            elif x.ndim == 4:
-                x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(x.astype(jnp.float32)))
+            elif x.ndim == 4:  # MiniGrid's cells: ids (object type, colour, state; all below 11), categories: one-hot
+                x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(jax.nn.one_hot(x, 11).reshape(*x.shape[:3], -1)))
                 x = nn.max_pool(x, (2, 2), strides=(2, 2))
                 for channels in (32, 64):
                     x = nn.relu(nn.Conv(channels, (2, 2), padding="VALID")(x))
