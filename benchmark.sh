@@ -5,8 +5,9 @@
 #                            (2 workers, ~8 minutes on 2 CPU cores)
 #   mujoco                   PPO and IMPALA on HalfCheetah-v4, Hopper-v4 and Walker2d-v4, 3 seeds, 1M steps
 #                            (2 workers, ~28 minutes on 2 CPU cores)
-#   minigrid                 PPO on MiniGrid: MemoryS7 with and without an LSTM (--lstm-size 64), DoorKey-5x5
-#                            without, 3 seeds, 500k steps (2 workers, 12.5 minutes on 2 CPU cores)
+#   minigrid                 PPO on MiniGrid: MemoryS7 with and without an LSTM (--lstm-size 64), 1M steps, and
+#                            DoorKey-5x5 without, 500k steps; 3 seeds (2 workers; 67 minutes on 2 CPU cores with a
+#                            third run beside them)
 #   results                  laptop, then mujoco: the README's results table. Then:
 #                            .venv/bin/python cleanba/aggregate.py runs --out results
 #   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
@@ -82,11 +83,13 @@ mujoco() {
 # MemoryS7 twice, the same settings but the memory: the cue is seen at the start, the choice made at the end.
 minigrid() {
   local status=0 ppo="$PYTHON cleanba/cleanba_ppo.py --local-num-envs 8 --num-actor-threads 2 --learning-rate 1e-3
-    --total-timesteps 500000 --log-frequency 10"
+    --log-frequency 10"
   launch --env-ids MiniGrid-MemoryS7-v0 --seeds $SEEDS --workers 2 --log-dir launch_logs/minigrid_lstm "$@" -- \
-    $ppo --exp-name ppo_lstm --lstm-size 64 || status=1
-  launch --env-ids MiniGrid-MemoryS7-v0 MiniGrid-DoorKey-5x5-v0 --seeds $SEEDS --workers 2 \
-    --log-dir launch_logs/minigrid "$@" -- $ppo --exp-name ppo || status=1
+    $ppo --exp-name ppo_lstm --lstm-size 64 --total-timesteps 1000000 || status=1
+  launch --env-ids MiniGrid-MemoryS7-v0 --seeds $SEEDS --workers 2 --log-dir launch_logs/minigrid "$@" -- \
+    $ppo --exp-name ppo --total-timesteps 1000000 || status=1
+  launch --env-ids MiniGrid-DoorKey-5x5-v0 --seeds $SEEDS --workers 2 --log-dir launch_logs/minigrid_doorkey "$@" -- \
+    $ppo --exp-name ppo --total-timesteps 500000 || status=1
   return $status
 }
 
