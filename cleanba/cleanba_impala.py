@@ -339,6 +339,7 @@ class Networks(NamedTuple):
     core: nn.Module | None  # --lstm-size's LSTM, or none
     actor: nn.Module
     critic: nn.Module  # the value: a linear layer
+    convolutional: bool  # frames, or a grid of cells (MiniGrid's): the CPU update unrolls its loops
 
 
 def make_networks(args: Args, spec) -> Networks:
@@ -351,7 +352,8 @@ def make_networks(args: Args, spec) -> Networks:
         torso = ResNet() if len(space.shape) == 3 else MLP()
     core = LSTMCore(args.lstm_size) if args.lstm_size else None
     actor = Actor(actions.shape[0] if continuous else actions.n, continuous)
-    return Networks(torso, core, actor, nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0)))
+    images = [part for part in getattr(space, "spaces", {0: space}).values() if len(part.shape or ()) == 3]
+    return Networks(torso, core, actor, nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0)), bool(images))
 
 
 def forward(networks: Networks, params, obs, core_state, reset_after):
@@ -463,7 +465,6 @@ def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
     """num_steps of `act`, `env_step`, `observe`, then `bootstrap`: (params, envs' state) -> (next state, batch (T,
     envs, ...)). On a CPU one jitted program, EnvPool stepping in a lax.scan; on a GPU that scan gave wrong observations
     and episode ends (README, "GPUs"): a Python loop of the same jitted functions (tests/test_scripts.py: the same)."""
-
     act, observe_step, bootstrap = jax.jit(act), jax.jit(functools.partial(observe, args)), jax.jit(bootstrap)
 
     def step(params, env: EnvState, _=None):
@@ -658,12 +659,11 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     consecutive envs to each minibatch, whatever device holds it (a device holds whole groups); means are global."""
     M = args.num_minibatches
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
-    # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
-    # loop the ResNet's gradient convolutions run ~10x slower, so there the minibatch loop is unrolled.
-    unroll = cfg.learner_devices[0].platform == "cpu" and isinstance(networks.torso, ResNet)
 
+    # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
+    # loop gradient convolutions (ResNet: ~10x, MiniGrid's CNN: ~4x) run slower, so the minibatch loop is unrolled.
     def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
-        if not unroll:
+        if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)
         outputs = []
         for x in xs:

@@ -290,6 +290,7 @@ class Networks(NamedTuple):
     torso: nn.Module  # one tower, LayerNorm after each hidden layer
     core: nn.Module | None  # --lstm-size's LSTM, or none
     q_head: nn.Module  # a linear Q-value per action
+    convolutional: bool  # frames, or a grid of cells (MiniGrid's): the CPU update unrolls its loops
 
 
 def make_networks(args: Args, spec) -> Networks:
@@ -303,7 +304,8 @@ def make_networks(args: Args, spec) -> Networks:
     else:
         torso = ResNet(q_network=True) if len(space.shape) == 3 else MLP(q_network=True)
     core = LSTMCore(args.lstm_size) if args.lstm_size else None
-    return Networks(torso, core, nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1.0)))
+    images = [part for part in getattr(space, "spaces", {0: space}).values() if len(part.shape or ()) == 3]
+    return Networks(torso, core, nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1)), bool(images))
 
 
 def forward(networks: Networks, params, obs, core_state, reset_after):
@@ -409,7 +411,6 @@ def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
     """num_steps of `act`, `env_step`, `observe`, then `bootstrap`: (params, envs' state) -> (next state, batch (T,
     envs, ...)). On a CPU one jitted program, EnvPool stepping in a lax.scan; on a GPU that scan gave wrong observations
     and episode ends (README, "GPUs"): a Python loop of the same jitted functions (tests/test_scripts.py: the same)."""
-
     act, observe_step, bootstrap = jax.jit(act), jax.jit(functools.partial(observe, args)), jax.jit(bootstrap)
 
     def step(params, env: EnvState, _=None):
@@ -595,12 +596,11 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     number permutation(...)[k] of S consecutive steps, replayed from its recorded core state. Means are global."""
     T, S = args.num_steps, args.num_steps // args.num_minibatches  # S: time steps of each env in a minibatch
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
-    # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
-    # loop the ResNet's gradient convolutions run ~10x slower, so there the minibatch loops are unrolled.
-    unroll = cfg.learner_devices[0].platform == "cpu" and isinstance(networks.torso, ResNet)
 
+    # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
+    # loop gradient convolutions (ResNet: ~10x, MiniGrid's CNN: ~4x) run slower, so the minibatch loops are unrolled.
     def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
-        if not unroll:
+        if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)
         outputs = []
         for x in xs:
