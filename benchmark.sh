@@ -8,6 +8,9 @@
 #   minigrid                 PPO on MiniGrid: MemoryS7 with and without an LSTM (--lstm-size 64), 1M steps, and
 #                            DoorKey-5x5 without, 500k steps; 3 seeds (2 workers; 67 minutes on 2 CPU cores with a
 #                            third run beside them)
+#   minigrid-memory          PPO on MiniGrid-MemoryS11-v0 (the smallest Memory room whose cue is out of view from the
+#                            split) with and without an LSTM (--lstm-size 64), 3M steps, 3 seeds: the recurrent and
+#                            the feed-forward seeds side by side, one worker each (~75 minutes on 2 CPU cores)
 #   results                  laptop, then mujoco: the README's results table. Then:
 #                            .venv/bin/python cleanba/aggregate.py runs --out results
 #   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
@@ -92,6 +95,20 @@ minigrid() {
     $ppo --exp-name ppo --total-timesteps 500000 || status=1
   return $status
 }
+# MemoryS11: the same settings as MemoryS7's. The cue (x = 1) is 8 cells from the split (x = 9), beyond the 7x7
+# view, so a feed-forward policy can only guess; the agent sees it at the start only if it starts at x = 1 (1 in 8).
+minigrid_memory() {
+  local status=0 lstm ppo="$PYTHON cleanba/cleanba_ppo.py --local-num-envs 8 --num-actor-threads 2 --learning-rate 1e-3
+    --log-frequency 10 --total-timesteps 3000000"
+  trap 'trap - INT TERM; kill -TERM 0' INT TERM  # a background job ignores Ctrl-C: SIGTERM (a checkpoint) to all
+  launch --env-ids MiniGrid-MemoryS11-v0 --seeds $SEEDS --workers 1 --log-dir launch_logs/minigrid_s11_lstm "$@" -- \
+    $ppo --exp-name ppo_lstm --lstm-size 64 &
+  lstm=$!
+  launch --env-ids MiniGrid-MemoryS11-v0 --seeds $SEEDS --workers 1 --log-dir launch_logs/minigrid_s11 "$@" -- \
+    $ppo --exp-name ppo || status=1
+  wait $lstm || status=1
+  return $status
+}
 
 grid=${1:-}
 shift || true
@@ -102,6 +119,8 @@ case "$grid" in
     mujoco "$@" ;;
   minigrid)
     minigrid "$@" ;;
+  minigrid-memory)
+    minigrid_memory "$@" ;;
   results)
     status=0
     classic_control "$@" || status=1

@@ -286,13 +286,14 @@ def main():
         scripts = {r["script"] for r in group}  # one method, one script: its published counterpart, if any
         published = PUBLISHED.get((scripts.pop(), env_id)) if len(scripts) == 1 else None
         steps = f"{np.median([r['curve'][-1][0] for r in group]):,.0f}"
+        digits = 3 if abs(np.mean(scores)) < 10 else 1  # returns within [0, 1] (MiniGrid's) need more than one digit
         game_rows.append(
             [
                 method,
                 env_id,
                 len(group),
                 steps,
-                f"{np.mean(scores):.1f} ± {np.std(scores):.1f}",
+                f"{np.mean(scores):.{digits}f} ± {np.std(scores):.{digits}f}",
                 f"{np.mean(minutes):.1f}",
                 f"{published[0]:g} ± {published[1]:g} ({published[2]})" if published else "—",
             ]

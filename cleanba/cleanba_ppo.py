@@ -654,7 +654,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
-    # loop gradient convolutions (ResNet: ~10x, MiniGrid's CNN: ~4x) run slower, so the minibatch loops are unrolled.
+    # loop gradient convolutions run slower (ResNet ~10x, MiniGrid's CNN ~3x), so the minibatch loops are unrolled.
     def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
         if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)

@@ -305,7 +305,8 @@ def make_networks(args: Args, spec) -> Networks:
         torso = ResNet(q_network=True) if len(space.shape) == 3 else MLP(q_network=True)
     core = LSTMCore(args.lstm_size) if args.lstm_size else None
     images = [part for part in getattr(space, "spaces", {0: space}).values() if len(part.shape or ()) == 3]
-    return Networks(torso, core, nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1)), bool(images))
+    q_head = nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1.0))
+    return Networks(torso, core, q_head, bool(images))
 
 
 def forward(networks: Networks, params, obs, core_state, reset_after):
@@ -598,7 +599,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
-    # loop gradient convolutions (ResNet: ~10x, MiniGrid's CNN: ~4x) run slower, so the minibatch loops are unrolled.
+    # loop gradient convolutions run slower (ResNet ~10x, MiniGrid's CNN ~3x), so the minibatch loops are unrolled.
     def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
         if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)
