@@ -157,8 +157,7 @@ def check_args(args: Args):
         raise ConfigError(f"--env-id {args.env_id}: the scripts encode {what}, not {space}")
     if args.norm_obs and len(parts) > 1:
         raise ConfigError("--norm-obs normalises a vector observation, not a dict of them")
-    args.norm_obs = continuous if args.norm_obs is None else args.norm_obs
-    args.norm_reward = continuous if args.norm_reward is None else args.norm_reward
+    args.norm_obs, args.norm_reward = (continuous if x is None else x for x in (args.norm_obs, args.norm_reward))
 
 
 def derive_config(args: Args) -> Config:
@@ -239,8 +238,7 @@ class ResNet(nn.Module):
                 block = nn.Conv(channels, kernel_size=(3, 3))(nn.relu(x))
                 x = x + nn.Conv(channels, kernel_size=(3, 3))(nn.relu(block))
             x = normalise()(x)
-        x = nn.relu(x.reshape((x.shape[0], -1)))
-        x = nn.relu(normalise()(nn.Dense(256)(x)))
+        x = nn.relu(normalise()(nn.Dense(256)(nn.relu(x.reshape((x.shape[0], -1))))))
         return x, x  # shared by the policy and the value heads
 
 
@@ -386,7 +384,7 @@ class StopRequested(Exception):
 
 
 def fault_injected(where: str, update: int) -> bool:
-    """Test hook (tests/test_failures.py): CLEANBA_FAULT=<actor|learner|nan|checkpoint>@<update>; see the README."""
+    """Test hook (tests/): CLEANBA_FAULT=<actor|learner|nan|sigterm|checkpoint>@<update>; see the README."""
     if os.environ.get("CLEANBA_FAULT") != f"{where}@{update}":
         return False
     print(f"CLEANBA_FAULT: {where} fault at update {update}", file=sys.stderr)
@@ -746,6 +744,8 @@ def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoin
         raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
     if fault_injected("nan", update):
         batch["rewards"][:] = np.nan
+    if fault_injected("sigterm", update):  # a preemption during this update, at a known update: the run stops after it
+        os.kill(os.getpid(), signal.SIGTERM)
     new_state, *results = update_fn(state, batch, update)
     losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
     for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
