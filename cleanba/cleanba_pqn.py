@@ -118,84 +118,14 @@ class Config(NamedTuple):
     local_learner_devices: list
 
 
-class ConfigError(ValueError):
-    """Bad input: reported as one line and exit status 2, before anything is created."""
-
-
-def check_args(args: Args):
-    """Checks that need no devices (run before jax.distributed starts)."""
-    positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
-    for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["checkpoint_interval", "env_threads", "lstm_size"]:  # 0: none by count; automatic; no core
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ["actor_device_ids", "learner_device_ids"]:
-        if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
-            raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
-    if args.run_name is not None and (not args.run_name or "/" in args.run_name or args.run_name.startswith(".")):
-        raise ConfigError(f"--run-name {args.run_name!r} must be a plain directory name")
-    for name in ["gamma", "q_lambda", "start_e", "end_e", "exploration_fraction"]:
-        if not 0 <= getattr(args, name) <= 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")
-    if args.exploration_fraction == 0:
-        raise ConfigError("--exploration-fraction must be positive (--start-e equal to --end-e keeps epsilon constant)")
-    if args.num_steps % args.num_minibatches:  # each minibatch takes as many steps from every environment
-        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}")
-    if args.env_id not in envpool.list_all_envs():
-        raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
-    if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
-        raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
-    spec = envpool.make_spec(args.env_id)
-    if not hasattr(spec.action_space, "n"):
-        raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
-    space = spec.observation_space  # what make_networks encodes: a vector, an image, or a dict of them (MiniGrid)
-    parts = list(space.spaces.values()) if hasattr(space, "spaces") else [space]
-    if not all(len(part.shape or ()) in (1, 3) or (hasattr(part, "n") and part is not space) for part in parts):
-        raise ConfigError(f"--env-id {args.env_id}: the scripts encode vectors, images and dicts of them, not {space}")
-
-
-def derive_config(args: Args) -> Config:
-    """Checks that need the devices (after jax.distributed), and the derived sizes."""
-    # A GPU that JAX cannot use (its CPU build, or a CUDA plugin of another version) must not go unnoticed.
-    if jax.default_backend() == "cpu" and os.environ.get("JAX_PLATFORMS") != "cpu" and shutil.which("nvidia-smi"):
-        if "GPU" in subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout:
-            fix = "`bash setup.sh` installs JAX's CUDA build; JAX_PLATFORMS=cpu trains on the CPU"
-            raise ConfigError(f"this machine has an NVIDIA GPU but JAX sees only the CPU: {fix}")
-    local_devices = jax.local_devices()
-    for name in ["actor_device_ids", "learner_device_ids"]:
-        if missing := [i for i in getattr(args, name) if i >= len(local_devices)]:
-            raise ConfigError(f"--{name.replace('_', '-')} {missing} do not exist: {len(local_devices)} devices here")
-    world_size, rank = jax.process_count(), jax.process_index()
-    envs_per_process = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
-    if envs_per_process % len(args.learner_device_ids):
-        envs = f"{args.local_num_envs} x {args.num_actor_threads} threads x {len(args.actor_device_ids)} actor devices"
-        raise ConfigError(f"--local-num-envs {envs} do not split over {len(args.learner_device_ids)} learner devices")
-    num_envs, batch_size = envs_per_process * world_size, envs_per_process * world_size * args.num_steps
-    if args.total_timesteps < batch_size:
-        raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size} steps)")
-    learners = [jax.local_devices(process_index=p)[i] for p in range(world_size) for i in args.learner_device_ids]
-    actors = [local_devices[i] for i in args.actor_device_ids]
-    local_learners = [local_devices[i] for i in args.learner_device_ids]
-    num_updates, offset = args.total_timesteps // batch_size, rank * envs_per_process
-    return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
-
-
+# ---------------------------------------------------------------------------------------------------------------------
+# Environments
 # The run's random streams: keys folded from --seed, then with indices free of the layout: actions with (step, global
 # env), minibatches with (update, epoch or group, global env); initialisation splits into torso and heads, core: 3.
-ACTIONS, MINIBATCHES, INITIALISATION = 0, 1, 3  # fixed numbers: every result depends on them
-
-
-def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
-    """EnvPool's threads for actor thread `pool`: --env-threads, or an equal share of `cpus` (the process's; EnvPool
-    would start one per core of the machine in each pool), pinned when consecutive (its thread i: CPU offset + i)."""
-    if args.env_threads:
-        return dict(num_threads=args.env_threads)
-    share = max(1, len(cpus) // (len(args.actor_device_ids) * args.num_actor_threads))
-    first = pool * share % len(cpus)
-    consecutive = cpus[first : first + share] == list(range(cpus[first], cpus[first] + share))
-    return dict(num_threads=share, thread_affinity_offset=cpus[first] if consecutive else -1)
+# Fixed numbers: every result depends on them.
+ACTIONS = 0
+MINIBATCHES = 1
+INITIALISATION = 3
 
 
 def env_options(args: Args) -> dict:
@@ -215,6 +145,8 @@ def make_env(args: Args, num_envs: int, first_env_index: int, **threads):
     return envpool.make(args.env_id, env_type="gym", num_envs=num_envs, seed=seed, **env_options(args), **threads)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Networks
 class ResNet(nn.Module):
     """The IMPALA network (Espeholt et al., 2018): three conv stacks of two residual blocks, then a 256-unit layer."""
 
@@ -222,7 +154,6 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        normalise = nn.LayerNorm if self.q_network else lambda: lambda x: x  # noqa: E731
         x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # EnvPool frames are NCHW uint8
         for channels in (16, 32, 32):
             x = nn.Conv(channels, kernel_size=(3, 3))(x)
@@ -230,19 +161,23 @@ class ResNet(nn.Module):
             for _ in range(2):  # a residual block
                 block = nn.Conv(channels, kernel_size=(3, 3))(nn.relu(x))
                 x = x + nn.Conv(channels, kernel_size=(3, 3))(nn.relu(block))
-            x = normalise()(x)
-        x = nn.relu(normalise()(nn.Dense(256)(nn.relu(x.reshape((x.shape[0], -1))))))
+            if self.q_network:
+                x = nn.LayerNorm()(x)
+        x = nn.Dense(256)(nn.relu(x.reshape((x.shape[0], -1))))
+        if self.q_network:
+            x = nn.LayerNorm()(x)
+        x = nn.relu(x)
         return x, x  # shared by the policy and the value heads
 
 
 class MLP(nn.Module):
-    """Two 64-unit tanh towers, policy and value (CleanRL's classic-control PPO: with returns in the hundreds, a shared
-    torso's gradient is swamped by the value loss); PQN's Q-network: one tower of 128 units, LayerNorm, ReLU. A dict
-    (MiniGrid's) is encoded key by key: a grid by the MiniGrid authors' small CNN (rl-starter-files) over one-hot cell
-    ids, a discrete value one-hot, a vector as it is."""
+    """Two 64-unit tanh towers, policy and value, as CleanRL's classic-control PPO (a shared torso's gradient is swamped
+    by the value loss); PQN's Q-network: one tower of 128 units, LayerNorm, ReLU. A dict (MiniGrid's) is encoded key
+    by key: a grid by the MiniGrid authors' small CNN (rl-starter-files) over one-hot cell ids, a discrete value
+    one-hot, a vector as it is."""
 
     discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
-    q_network: bool = False  # PQN's (on CartPole tanh reached 180-250 of 500, 64 ReLU units 388-497, 128 units 500)
+    q_network: bool = False  # PQN's tower (README, "PQN": tanh and 64 units fall short on CartPole)
 
     @nn.compact
     def __call__(self, obs):
@@ -252,7 +187,10 @@ class MLP(nn.Module):
                 x = nn.relu(nn.LayerNorm()(x)) if self.q_network else nn.tanh(x)
             return x
 
-        features, parts = [], [x for _, x in sorted(obs.items())] if isinstance(obs, dict) else [obs]
+        parts = [obs]
+        if isinstance(obs, dict):
+            parts = [x for _, x in sorted(obs.items())]
+        features = []
         for x, n in zip(parts, self.discrete_sizes, strict=True):
             if n:
                 features.append(jax.nn.one_hot(x, n))
@@ -297,22 +235,36 @@ def make_networks(args: Args, spec) -> Networks:
     tower), with LayerNorm, which is what lets PQN do without a target network (Gallici et al., 2024);
     --lstm-size puts an LSTM between the torso and the Q-values."""
     space = spec.observation_space
-    if hasattr(space, "spaces"):  # a dict
-        discrete_sizes = tuple(getattr(part, "n", 0) for _, part in sorted(space.spaces.items()))
-        torso = MLP(discrete_sizes, q_network=True)
+    parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
+    discrete_sizes = tuple(getattr(part, "n", 0) for part in parts.values())  # a dict's discrete values: one-hot
+    for part, size in zip(parts.values(), discrete_sizes, strict=True):
+        if len(part.shape or ()) not in (1, 3) and not (size and part is not space):
+            raise ConfigError(
+                f"--env-id {args.env_id}: the scripts encode vectors, images and dicts of them, not {space}"
+            )
+    if not hasattr(spec.action_space, "n"):
+        raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
+    if len(space.shape or ()) == 3:
+        torso = ResNet(q_network=True)
     else:
-        torso = ResNet(q_network=True) if len(space.shape) == 3 else MLP(q_network=True)
+        torso = MLP(discrete_sizes, q_network=True)
     core = LSTMCore(args.lstm_size) if args.lstm_size else None
-    images = [part for part in getattr(space, "spaces", {0: space}).values() if len(part.shape or ()) == 3]
     q_head = nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1.0))
-    return Networks(torso, core, q_head, bool(images))
+    convolutional = any(len(part.shape or ()) == 3 for part in parts.values())
+    return Networks(torso, core, q_head, convolutional)
 
 
 def forward(networks: Networks, params, obs, core_state, reset_after):
     """(Q-values (time, envs, actions), core state) for observations (time, envs, ...). A core runs each env's sequence
     from `core_state` (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps)."""
     time, envs = reset_after.shape
-    merge, split = lambda x: x.reshape(time * envs, *x.shape[2:]), lambda x: x.reshape(time, envs, *x.shape[1:])  # noqa: E731
+
+    def merge(x):  # (time, envs, ...) -> (time * envs, ...)
+        return x.reshape(time * envs, *x.shape[2:])
+
+    def split(x):  # (time * envs, ...) -> (time, envs, ...)
+        return x.reshape(time, envs, *x.shape[1:])
+
     hidden, _ = networks.torso.apply(params["torso"], jax.tree.map(merge, obs))  # one tower: both outputs are it
     if networks.core:
         hidden, core_state = networks.core.apply(params["core"], core_state, split(hidden), reset_after)
@@ -320,25 +272,8 @@ def forward(networks: Networks, params, obs, core_state, reset_after):
     return split(networks.q_head.apply(params["q_head"], hidden)), core_state
 
 
-@contextlib.contextmanager
-def timer(timings: dict, name: str):  # adds the block's wall-clock time to timings[name]
-    start = time.perf_counter()
-    yield
-    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
-
-
-class StopRequested(Exception):
-    """Raised in a thread blocked on a queue once another thread has asked everyone to stop."""
-
-
-def fault_injected(where: str, update: int) -> bool:
-    """Test hook (tests/): CLEANBA_FAULT=<actor|learner|nan|sigterm|checkpoint>@<update>; see the README."""
-    if os.environ.get("CLEANBA_FAULT") != f"{where}@{update}":
-        return False
-    print(f"CLEANBA_FAULT: {where} fault at update {update}", file=sys.stderr)
-    return True
-
-
+# ---------------------------------------------------------------------------------------------------------------------
+# The actors: a rollout per update, with the parameters the learner published last
 class Rollout(NamedTuple):
     """What an actor thread puts on its rollout queue: one update's data from its environments."""
 
@@ -369,7 +304,8 @@ def env_step_op(envs, platform: str):
     """(A handle, the envs' step) for a rollout on an actor device of `platform`: on a CPU, EnvPool's own XLA operation
     (envs.xla()), which a jitted program runs; elsewhere EnvPool's Python step on host arrays. MuJoCo takes and returns
     float64, which JAX only traces with x64 on: the operation is traced so, and both give float32 back."""
-    action_dtype, handle = envs.spec.action_array_spec["action"].dtype, np.zeros(1, np.uint8)  # (GPU: orders nothing)
+    action_dtype = envs.spec.action_array_spec["action"].dtype
+    handle = np.zeros(1, np.uint8)  # on a GPU it orders nothing
     if platform == "cpu":
         with jax.enable_x64(True):
             handle, _, _, xla_step = envs.xla()
@@ -387,7 +323,8 @@ def env_step_op(envs, platform: str):
 
 def first_state(envs, handle, step: int, core_size: int) -> EnvState:
     """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on, their core's zero."""
-    (obs, _), zeros = envs.reset(), np.zeros(envs.config["num_envs"], np.float32)
+    obs, _ = envs.reset()
+    zeros = np.zeros(envs.config["num_envs"], np.float32)
     core = np.zeros((len(zeros), 2, core_size), np.float32)
     return EnvState(handle, to_float32(obs), zeros > 0, zeros, zeros.astype(np.int32), zeros, np.int32(step), core)
 
@@ -395,15 +332,15 @@ def first_state(envs, handle, step: int, core_size: int) -> EnvState:
 def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]:
     """An env step's outputs: the envs' next state, and what the batch records of the step."""
     next_obs, reward, terminated, truncated, info = outputs
-    done, valid = terminated | truncated, ~env.done  # the step out of a final observation is not a transition
+    done = terminated | truncated
+    valid = ~env.done  # the step out of a final observation is not a transition
     episode_return = env.episode_return + info.get("reward", reward)  # Atari: the unclipped reward
     episode_length = env.episode_length + valid  # EnvPool's reset step is not part of either episode
     discounted_return = env.discounted_return * args.gamma + reward
     record = dict(obs=env.obs, rewards=reward, terminations=terminated, dones=done, valid=valid)
     record.update(episode_returns=jnp.where(done, episode_return, 0.0), discounted_returns=discounted_return)
     record.update(episode_lengths=jnp.where(done, episode_length, 0))
-    ended = lambda x: jnp.where(done, 0, x)  # noqa: E731 (the sums of an episode that ended start over)
-    sums = ended(episode_return), ended(episode_length), ended(discounted_return)
+    sums = [jnp.where(done, 0, x) for x in (episode_return, episode_length, discounted_return)]  # ended: start over
     return EnvState(handle, next_obs, done, *sums, env.step + 1, env.core), record
 
 
@@ -411,7 +348,9 @@ def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
     """num_steps of `act`, `env_step`, `observe`, then `bootstrap`: (params, envs' state) -> (next state, batch (T,
     envs, ...)). On a CPU one jitted program, EnvPool stepping in a lax.scan; on a GPU that scan gave wrong observations
     and episode ends (README, "GPUs"): a Python loop of the same jitted functions (tests/test_scripts.py: the same)."""
-    act, observe_step, bootstrap = jax.jit(act), jax.jit(functools.partial(observe, args)), jax.jit(bootstrap)
+    act = jax.jit(act)
+    observe_step = jax.jit(functools.partial(observe, args))
+    bootstrap = jax.jit(bootstrap)
 
     def step(params, env: EnvState, _=None):
         action, policy, core = act(params, env)
@@ -420,10 +359,11 @@ def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
         return env, {**policy, **record}
 
     def rollout(replica_params, env: EnvState):
-        params, records = jax.tree.map(lambda x: x[0], replica_params), []
+        params = jax.tree.map(lambda x: x[0], replica_params)
         if platform == "cpu":
             env, batch = jax.lax.scan(functools.partial(step, params), env, length=args.num_steps)
         else:
+            records = []
             for _ in range(args.num_steps):
                 env, record = step(params, env)
                 records.append(record)
@@ -449,7 +389,8 @@ def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, plat
     def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy, the next core state)
         obs = jax.tree.map(lambda x: x[None], env.obs)  # a sequence of one step
         q_values, core = forward(networks, params, obs, env.core, env.done[None])
-        q_values, epsilon = q_values[0], exploration_rate(args, env.step.astype(jnp.float32) * num_envs)
+        q_values = q_values[0]
+        epsilon = exploration_rate(args, env.step.astype(jnp.float32) * num_envs)
         # One key per (environment, step): the explored actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, env.step)
 
@@ -474,8 +415,13 @@ class Actors:
     of size 1. Any thread's failure (the learner's too) sets `stop`, which every queue operation checks."""
 
     def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int):
-        self.args, self.cfg, self.networks, self.start_update = args, cfg, networks, start_update
-        self.stop, self.failures, self.threads = threading.Event(), [], []
+        self.args = args
+        self.cfg = cfg
+        self.networks = networks
+        self.start_update = start_update
+        self.stop = threading.Event()
+        self.failures = []  # (thread name, traceback) of each thread that raised
+        self.threads = []  # (thread, its device, its params queue, its rollout queue)
         for device_index, device in enumerate(cfg.actor_devices):
             for thread_index in range(args.num_actor_threads):
                 queues = queue.Queue(maxsize=1), queue.Queue(maxsize=1)  # parameters in, rollouts out
@@ -499,7 +445,8 @@ class Actors:
 
     def rollout(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
         """One actor thread: a rollout per update, with the parameters the learner published for it."""
-        args, num_envs = self.args, self.args.local_num_envs
+        args = self.args
+        num_envs = args.local_num_envs
         env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
         threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
         envs = make_env(args, num_envs, int(env_ids[0]), **threads)
@@ -507,8 +454,6 @@ class Actors:
         env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, args.lstm_size), device)
         for update in range(self.start_update + 1, self.cfg.num_updates + 1):
             timings = {}
-            if thread_id == 0 and fault_injected("actor", update):
-                raise RuntimeError(f"CLEANBA_FAULT: injected actor failure at update {update}")
             # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
             if not args.concurrency or update != self.start_update + 2:
                 with timer(timings, "params_queue_get_time"):
@@ -539,34 +484,8 @@ class Actors:
         raise StopRequested
 
 
-def check_version_contract(rollouts: list[Rollout], update: int, first_update: int, concurrency: bool) -> int:
-    """The learner at version `update` trains on data of that version, or with concurrency of the one before."""
-    expected = update - 1 if concurrency and update > first_update else update
-    if (versions := sorted({r.version for r in rollouts})) != [expected]:
-        raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}, not {expected}")
-    return expected
-
-
-def batch_fingerprint(batch, env_ids):
-    """A 32-bit checksum of the batch's exact fields (observations, actions, rewards, episode ends): per env a position-
-    weighted, mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact, order-free, so layout-free."""
-
-    def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
-        x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
-        x = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float32 else x.astype(jnp.uint32)
-        weights = jax.random.bits(jax.random.key(salt), (x.shape[1],), jnp.uint32) | 1
-        return jnp.sum(x * weights, axis=1, dtype=jnp.uint32)
-
-    h = env_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
-    # Not the core states: floats each actor layout rounds its own way (the losses, replayed from them, are compared).
-    for salt, x in enumerate(jax.tree.leaves([batch[name] for name in ["obs", "actions", "rewards", "dones"]])):
-        h = h * jnp.uint32(31) + column_checksums(x, salt)
-    for shift, multiplier in [(16, 0x85EBCA6B), (13, 0xC2B2AE35)]:
-        h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
-    h = h ^ (h >> 16)
-    return jax.lax.psum(jnp.sum(h, dtype=jnp.uint32), "devices")
-
-
+# ---------------------------------------------------------------------------------------------------------------------
+# The learner: targets, loss and update
 def episode_sums(batch):
     """Count, return sum and length sum of the episodes that ended in the batch, over all devices and processes."""
     ended = batch["dones"].astype(jnp.float32) * batch["valid"]
@@ -594,7 +513,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     """The learner's update, data-parallel over the learner devices (pmap axis "devices"). Minibatch k of an epoch takes
     from env g the steps permutation(seed, update, epoch, g)[k*S:(k+1)*S], whatever device holds g; with a core, chunk
     number permutation(...)[k] of S consecutive steps, replayed from its recorded core state. Means are global."""
-    T, S = args.num_steps, args.num_steps // args.num_minibatches  # S: time steps of each env in a minibatch
+    T = args.num_steps
+    S = args.num_steps // args.num_minibatches  # time steps of each env in a minibatch
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
@@ -611,8 +531,11 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     def td_loss(params, mb, count):  # mb: (S, envs, ...)
         q_values, _ = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0)
         q_taken = jnp.take_along_axis(q_values, mb["actions"][..., None], axis=-1)[..., 0]
+
         # Local sums over the global count: the psum of these gradients is the global mean's gradient.
-        local_mean = lambda x: jnp.sum(x * mb["valid"]) / count  # noqa: E731
+        def local_mean(x):
+            return jnp.sum(x * mb["valid"]) / count
+
         loss = local_mean(jnp.square(q_taken - mb["targets"]))  # the targets are constants: no gradient through them
         return loss, dict(loss=loss, q_values=local_mean(q_taken), targets=local_mean(mb["targets"]))
 
@@ -620,7 +543,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         targets = q_lambda_returns(args, batch["rewards"], batch["values"], batch["terminations"], batch["dones"])
         data = dict(obs=batch["obs"], actions=batch["actions"], targets=targets, core_states=batch["core_states"])
         data.update(valid=batch["valid"].astype(jnp.float32))
-        env_ids, local_envs = batch["env_ids"], batch["env_ids"].shape[0]
+        env_ids = batch["env_ids"]
+        local_envs = env_ids.shape[0]
         update_key = jax.random.fold_in(minibatch_key, update_index)
 
         def epoch(state, epoch_index):
@@ -648,46 +572,145 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
 
 
-def replicate(tree, cfg: Config):
-    """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
-    mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
-    local = lambda x: np.broadcast_to(x, (len(cfg.local_learner_devices), *np.shape(x)))  # noqa: E731
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, local(x)), tree)
+def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space) -> tuple[TrainState, object]:
+    """(Parameters from --seed and the optimiser's state, on the host; the learning rate or its schedule)"""
+    initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
+    torso_key, q_key = jax.random.split(initialisation_key)
+    dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
+    torso_params = networks.torso.init(torso_key, dummy_obs)
+    hidden, _ = networks.torso.apply(torso_params, dummy_obs)
+    params = dict(torso=torso_params)
+    if networks.core:  # a stream of its own (the other keys are those of a run without a core)
+        core_key = jax.random.fold_in(initialisation_key, 3)
+        size = networks.core.size
+        sequence = np.zeros((1, 1, hidden.shape[-1]), np.float32)
+        params["core"] = networks.core.init(core_key, np.zeros((1, 2, size)), sequence, np.zeros((1, 1), bool))
+        hidden = np.zeros((1, size), np.float32)
+    params["q_head"] = networks.q_head.init(q_key, hidden)
+    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
+    # RAdam (Liu et al., 2020), as the paper: Adam whose early steps are damped while its variance estimate is poor.
+    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.radam(schedule))
+    return TrainState.create(apply_fn=None, params=params, tx=tx), schedule
 
 
-def replica(tree):  # the copy on this process's first learner device of a tree pmap keeps on each (no computation)
-    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+def main(args: Args):
+    cfg, run_name, checkpoint = start_up(args)
+    signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: signals.append(signum))
+    if checkpoint and checkpoint["update"] == cfg.num_updates:
+        print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({RESUME_WAYS_OUT})")
+        return
+    spec = envpool.make_spec(args.env_id, **env_options(args))
+    networks = make_networks(args, spec)
+    state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
+    with refusing_bad_input():
+        state, start_update = resume(cfg, state, checkpoint, run_name)
+    run_dir = RunDir(args, cfg, run_name, start_update, schedule)
+    update_fn = make_update(args, cfg, networks)
+    actors = Actors(args, cfg, networks, start_update)
+    # All processes stop after the same update, or one would wait forever in a collective of the next.
+    any_process = jax.pmap(lambda stop: jax.lax.psum(stop, "devices"), "devices", devices=cfg.learner_devices)
+
+    update = start_update
+    try:
+        actors.publish(replica(state.params), start_update + 1)
+        for update in range(start_update + 1, cfg.num_updates + 1):
+            timings = {}
+            with timer(timings, "rollout_queue_get_time"):
+                rollouts = actors.collect()
+            data_version = check_version_contract(rollouts, update, start_update + 1, args.concurrency)
+            batch = collate(rollouts, len(cfg.local_learner_devices))
+            with timer(timings, "update_time"):
+                state, record = learn(update_fn, state, batch, update, run_dir.last_checkpoint)
+            if update < cfg.num_updates:
+                actors.publish(replica(state.params), update + 1)
+            run_dir.log(update, data_version, record, timings, rollouts, state)
+            if stop_requested(cfg, signals, any_process):
+                break
+            run_dir.checkpoint(state, update, if_due=True)
+            run_dir.report(update=update, checkpoint=run_dir.last_checkpoint)
+    except StopRequested:
+        pass
+    except BaseException:
+        actors.fail()
+    finish(args, cfg, actors, run_dir, signals, state, update)
 
 
-def to_host(tree):  # one replica of a tree that pmap keeps on every learner device, copied to the host in one transfer
-    return jax.tree.map(lambda x: x[0], jax.device_get(replica(tree)))
+# =====================================================================================================================
+# The algorithm ends here. Below: start-up checks, the run directory, checkpoints, failure handling, fingerprints.
+# =====================================================================================================================
+class ConfigError(ValueError):
+    """Bad input: reported as one line and exit status 2, before anything is created."""
 
 
-def collate(rollouts: list[Rollout], devices: int) -> dict:
-    """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
-    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *[r.batch for r in rollouts])
-    split = lambda x: np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)  # noqa: E731
-    batch = jax.tree.map(split, batch)  # (no -1 in the shape: a run without a core records states of size 0)
-    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
-    return batch
+def check_args(args: Args):
+    """Checks that need no devices (run before jax.distributed starts)."""
+    positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
+    for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ["checkpoint_interval", "env_threads", "lstm_size"]:  # 0: none by count; automatic; no core
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
+            raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    if args.run_name is not None and (not args.run_name or "/" in args.run_name or args.run_name.startswith(".")):
+        raise ConfigError(f"--run-name {args.run_name!r} must be a plain directory name")
+    for name in ["gamma", "q_lambda", "start_e", "end_e", "exploration_fraction"]:
+        if not 0 <= getattr(args, name) <= 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")
+    if args.exploration_fraction == 0:
+        raise ConfigError("--exploration-fraction must be positive (--start-e equal to --end-e keeps epsilon constant)")
+    if args.num_steps % args.num_minibatches:  # each minibatch takes as many steps from every environment
+        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}")
+    if args.env_id not in envpool.list_all_envs():
+        raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
+    if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
+        raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
+    make_networks(args, envpool.make_spec(args.env_id))  # refuses what the Q-network cannot encode or act on
 
 
-def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
-    """One update: (new state, its record for updates.jsonl). A non-finite loss stops the run before any use of it."""
-    if fault_injected("learner", update):
-        raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
-    if fault_injected("nan", update):
-        batch["rewards"][:] = np.nan
-    if fault_injected("sigterm", update):  # a preemption during this update, at a known update: the run stops after it
-        os.kill(os.getpid(), signal.SIGTERM)
-    new_state, *results = update_fn(state, batch, update)
-    losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
-    for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
-        if not np.isfinite(value):
-            last = f"the last good checkpoint is the one after update {last_checkpoint}"
-            raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
-    return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
+def derive_config(args: Args) -> Config:
+    """Checks that need the devices (after jax.distributed), and the derived sizes."""
+    # A GPU that JAX cannot use (its CPU build, or a CUDA plugin of another version) must not go unnoticed.
+    if jax.default_backend() == "cpu" and os.environ.get("JAX_PLATFORMS") != "cpu" and shutil.which("nvidia-smi"):
+        if "GPU" in subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout:
+            fix = "`bash setup.sh` installs JAX's CUDA build; JAX_PLATFORMS=cpu trains on the CPU"
+            raise ConfigError(f"this machine has an NVIDIA GPU but JAX sees only the CPU: {fix}")
+    local_devices = jax.local_devices()
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if missing := [i for i in getattr(args, name) if i >= len(local_devices)]:
+            raise ConfigError(f"--{name.replace('_', '-')} {missing} do not exist: {len(local_devices)} devices here")
+    world_size = jax.process_count()
+    envs_per_process = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    if envs_per_process % len(args.learner_device_ids):
+        envs = f"{args.local_num_envs} x {args.num_actor_threads} threads x {len(args.actor_device_ids)} actor devices"
+        raise ConfigError(f"--local-num-envs {envs} do not split over {len(args.learner_device_ids)} learner devices")
+    num_envs = envs_per_process * world_size
+    batch_size = num_envs * args.num_steps
+    if args.total_timesteps < batch_size:
+        raise ConfigError(f"--total-timesteps {args.total_timesteps} is less than one update ({batch_size} steps)")
+    learners = [jax.local_devices(process_index=p)[i] for p in range(world_size) for i in args.learner_device_ids]
+    actors = [local_devices[i] for i in args.actor_device_ids]
+    local_learners = [local_devices[i] for i in args.learner_device_ids]
+    num_updates = args.total_timesteps // batch_size
+    offset = jax.process_index() * envs_per_process
+    return Config(
+        world_size, jax.process_index(), num_envs, batch_size, num_updates, offset, actors, learners, local_learners
+    )
+
+
+@contextlib.contextmanager
+def refusing_bad_input():
+    """Bad input (ConfigError): one line naming the flag or file at fault, exit status 2, nothing written."""
+    try:
+        yield
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 def algorithm_config(args: Args, cfg: Config) -> dict:
@@ -698,7 +721,7 @@ def algorithm_config(args: Args, cfg: Config) -> dict:
 
 def start_up(args: Args) -> tuple[Config, str, dict | None]:
     """Checks the arguments, joins the other processes, reads the checkpoint. Bad input: one line, exit 2."""
-    try:
+    with refusing_bad_input():
         check_args(args)
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
@@ -707,22 +730,171 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
             timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
             jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
         cfg = derive_config(args)
-        digest = hashlib.sha1(json.dumps(algorithm_config(args, cfg), sort_keys=True).encode()).hexdigest()[:8]
+        # The name's hash covers the values that differ from their defaults: a new field at its default renames nothing.
+        defaults = {f.name: f.default for f in dataclasses.fields(Args)}
+        config = algorithm_config(args, cfg)
+        named = {k: v for k, v in config.items() if k not in defaults or v != defaults[k]}
+        digest = hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:8]
         run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
-        path, checkpoint = f"runs/{run_name}/checkpoint.msgpack", None
+        path = f"runs/{run_name}/checkpoint.msgpack"
+        checkpoint = None
         if args.resume and os.path.exists(path):
-            with open(path, "rb") as f:
-                checkpoint = flax.serialization.msgpack_restore(f.read())
-            saved, current = json.loads(checkpoint["config"]), algorithm_config(args, cfg)
-            if changed := [f"{k} ({saved.get(k)!r}, now {v!r})" for k, v in current.items() if saved.get(k) != v]:
+            checkpoint = read_checkpoint(path, run_name)
+            if changed := changed_from(json.loads(checkpoint["config"]), config):
                 changed = f"a checkpoint of another configuration: {', '.join(changed)}"
                 raise ConfigError(f"--run-name {run_name} has {changed}; pass --no-resume to start it over")
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
     if not args.resume and cfg.rank == 0 and os.path.exists(path):
         os.remove(path)  # starting over: a later resume must not find the old run
     return cfg, run_name, checkpoint
+
+
+def changed_from(saved: dict, current: dict) -> list[str]:
+    """The algorithm's values that differ from a checkpoint's; a field the checkpoint predates counts at its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Args)}
+    changed = []
+    for name, value in current.items():
+        before = saved.get(name, defaults.get(name))
+        if before != value:
+            changed.append(f"{name} ({before!r}, now {value!r})")
+    for name in sorted(saved.keys() - current.keys()):
+        changed.append(f"{name} ({saved[name]!r}, now no such field)")
+    return changed
+
+
+RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
+
+
+def read_checkpoint(path: str, run_name: str) -> dict:
+    """The checkpoint's contents; a file cut short (an interrupted copy) or not a checkpoint is bad input."""
+    try:
+        with open(path, "rb") as f:
+            checkpoint = flax.serialization.msgpack_restore(f.read())
+        if not {"state", "update", "config"} <= set(checkpoint):
+            raise ValueError("not a Cleanba checkpoint")
+    except Exception as error:
+        raise ConfigError(f"--run-name {run_name}: {path} cannot be read ({error}); {RESUME_WAYS_OUT}") from None
+    return checkpoint
+
+
+def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: str) -> tuple[TrainState, int]:
+    """(The state on the learner devices, the update it follows): the checkpoint's, optimiser state and step count
+    included (the learning-rate schedule continues), if its networks and optimiser have the same parts and shapes."""
+    start_update = 0
+    if checkpoint:
+        path = f"runs/{run_name}/checkpoint.msgpack"
+        refusal = f"--run-name {run_name}: {path} holds other networks or optimiser state; {RESUME_WAYS_OUT}"
+        try:
+            restored = flax.serialization.from_state_dict(state, checkpoint["state"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(refusal) from None
+        if [np.shape(x) for x in jax.tree.leaves(restored)] != [np.shape(x) for x in jax.tree.leaves(state)]:
+            raise ConfigError(refusal)
+        state = restored
+        start_update = checkpoint["update"]
+    if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
+        state, start_update = jax.device_get(multihost_utils.broadcast_one_to_all((state, start_update)))
+    return replicate(state, cfg), int(start_update)
+
+
+def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
+    """EnvPool's threads for actor thread `pool`: --env-threads, or an equal share of `cpus` (the process's; EnvPool
+    would start one per core of the machine in each pool), pinned when consecutive (its thread i: CPU offset + i)."""
+    if args.env_threads:
+        return dict(num_threads=args.env_threads)
+    share = max(1, len(cpus) // (len(args.actor_device_ids) * args.num_actor_threads))
+    first = pool * share % len(cpus)
+    consecutive = cpus[first : first + share] == list(range(cpus[first], cpus[first] + share))
+    return dict(num_threads=share, thread_affinity_offset=cpus[first] if consecutive else -1)
+
+
+@contextlib.contextmanager
+def timer(timings: dict, name: str):  # adds the block's wall-clock time to timings[name]
+    start = time.perf_counter()
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+class StopRequested(Exception):
+    """Raised in a thread blocked on a queue once another thread has asked everyone to stop."""
+
+
+def check_version_contract(rollouts: list[Rollout], update: int, first_update: int, concurrency: bool) -> int:
+    """The learner at version `update` trains on data of that version, or with concurrency of the one before."""
+    expected = update - 1 if concurrency and update > first_update else update
+    if (versions := sorted({r.version for r in rollouts})) != [expected]:
+        raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}, not {expected}")
+    return expected
+
+
+def collate(rollouts: list[Rollout], devices: int) -> dict:
+    """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
+    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *[r.batch for r in rollouts])
+
+    def split(x):  # (T, envs, ...) -> (devices, T, envs / devices, ...); no -1: states of size 0 without a core
+        return np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)
+
+    batch = jax.tree.map(split, batch)
+    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
+    return batch
+
+
+def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
+    """One update: (new state, its record for updates.jsonl). A non-finite loss stops the run before any use of it."""
+    new_state, *results = update_fn(state, batch, update)
+    losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
+    for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
+        if not np.isfinite(value):
+            last = f"the last good checkpoint is the one after update {last_checkpoint}"
+            raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
+    return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
+
+
+def batch_fingerprint(batch, env_ids):
+    """A 32-bit checksum of the batch's exact fields (observations, actions, rewards, episode ends): per env a position-
+    weighted, mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact, order-free, so layout-free."""
+
+    def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
+        x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
+        x = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float32 else x.astype(jnp.uint32)
+        weights = jax.random.bits(jax.random.key(salt), (x.shape[1],), jnp.uint32) | 1
+        return jnp.sum(x * weights, axis=1, dtype=jnp.uint32)
+
+    h = env_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+    # Not the core states: floats each actor layout rounds its own way (the losses, replayed from them, are compared).
+    for salt, x in enumerate(jax.tree.leaves([batch[name] for name in ["obs", "actions", "rewards", "dones"]])):
+        h = h * jnp.uint32(31) + column_checksums(x, salt)
+    for shift, multiplier in [(16, 0x85EBCA6B), (13, 0xC2B2AE35)]:
+        h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
+    h = h ^ (h >> 16)
+    return jax.lax.psum(jnp.sum(h, dtype=jnp.uint32), "devices")
+
+
+def replicate(tree, cfg: Config):
+    """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
+    mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
+
+    def replicated(x):  # one copy per local learner device, assembled into the global array
+        local = np.broadcast_to(x, (len(cfg.local_learner_devices), *np.shape(x)))
+        return jax.make_array_from_process_local_data(sharding, local)
+
+    return jax.tree.map(replicated, tree)
+
+
+def replica(tree):  # the copy on this process's first learner device of a tree pmap keeps on each (no computation)
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+def to_host(tree):  # one replica of a tree that pmap keeps on every learner device, copied to the host in one transfer
+    return jax.tree.map(lambda x: x[0], jax.device_get(replica(tree)))
+
+
+def stop_requested(cfg: Config, signals: list, any_process) -> bool:
+    """Whether a stop signal reached this process, or with several processes any of them (all stop together)."""
+    if cfg.world_size == 1:
+        return bool(signals)
+    stop = np.full(len(cfg.local_learner_devices), bool(signals), np.int32)
+    return bool(to_host(any_process(stop)))
 
 
 class RunDir:
@@ -730,34 +902,37 @@ class RunDir:
     updates.jsonl (per update: version, fingerprint, losses; for compare_runs.py), checkpoints, model; console lines."""
 
     def __init__(self, args: Args, cfg: Config, run_name: str, start_update: int, schedule):
-        self.args, self.cfg, self.schedule, self.path = args, cfg, schedule, f"runs/{run_name}"
-        self.start_update, self.start_time, self.active = start_update, time.time(), cfg.rank == 0
-        self.last_checkpoint, self.last_checkpoint_time = start_update, time.time()
-        self.episodes, self.wandb = np.zeros(3), None  # the episodes' count, return and length sums since the last log
+        self.args = args
+        self.cfg = cfg
+        self.schedule = schedule
+        self.path = f"runs/{run_name}"
+        self.start_update = start_update
+        self.start_time = time.time()
+        self.active = cfg.rank == 0
+        self.last_checkpoint = start_update
+        self.last_checkpoint_time = time.time()
+        self.episodes = np.zeros(3)  # the count, return sum and length sum of the episodes since the last log line
+        self.recent_losses = []  # each update's losses since the last log line
+        self.wandb = None
         if args.distributed:  # for cleanba/supervise.py: this process's rank, every process's host, the run's directory
             name = np.frombuffer(os.uname().nodename.encode()[:64].ljust(64), np.uint8)
             hosts = [bytes(host).decode().strip() for host in multihost_utils.process_allgather(name)]
             self.report(rank=cfg.rank, hosts=hosts, path=self.path, update=start_update, checkpoint=start_update)
         if not self.active:
             return
-        ids = lambda ids: ",".join(map(str, ids))  # noqa: E731
-        notation = f"a{ids(args.actor_device_ids)}-l{ids(args.learner_device_ids)}-d{cfg.world_size}"
-        layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads)
-        layout.update(actor_devices=[str(d) for d in cfg.actor_devices], platform=jax.default_backend())
-        layout.update(learner_devices=[str(d) for d in cfg.learner_devices], num_envs=cfg.num_envs)
-        layout.update(batch_size=cfg.batch_size, num_updates=cfg.num_updates)
         if args.track:  # the run's W&B id follows from its name: a resumed run resumes its W&B run
-            self.wandb, run_id = importlib.import_module("wandb"), hashlib.sha1(run_name.encode()).hexdigest()[:16]
+            self.wandb = importlib.import_module("wandb")
+            run_id = hashlib.sha1(run_name.encode()).hexdigest()[:16]
             project = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args))
             self.wandb.init(**project, name=run_name, id=run_id, resume="allow", sync_tensorboard=True, save_code=True)
         # Resumed, the run hides what was logged after its checkpoint; started over (--no-resume), all it logged.
-        purge_step = (start_update * cfg.batch_size + 1 if start_update else 0) if os.path.isdir(self.path) else None
+        purge_step = None
+        if os.path.isdir(self.path):
+            purge_step = start_update * cfg.batch_size + 1 if start_update else 0
         self.writer = SummaryWriter(self.path, purge_step=purge_step)
         table = "".join(f"|{k}|{v}|\n" for k, v in vars(args).items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
-        with open(f"{self.path}/config.json", "w") as f:
-            json.dump(config, f, indent=2)
+        layout = self.write_config()
         kept = []  # a resumed run keeps the lines of the updates it resumes after
         if start_update and os.path.exists(f"{self.path}/updates.jsonl"):
             with open(f"{self.path}/updates.jsonl") as f:
@@ -765,53 +940,81 @@ class RunDir:
         self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
         self.updates.writelines(kept)
         batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
-        print(f"run {run_name}: {args.env_id}, {batch}; layout {notation}, actor threads: {args.num_actor_threads}")
+        print(f"run {run_name}: {args.env_id}, {batch}; layout {layout}, actor threads: {args.num_actor_threads}")
         used = {*cfg.actor_devices, *cfg.local_learner_devices}  # the platform, so that a CPU run is never a surprise
         print(f"devices: {len(used)} {jax.default_backend()} ({', '.join(sorted({d.device_kind for d in used}))})")
         if start_update:
             resumed = f"after update {start_update} (global step {start_update * cfg.batch_size:,})"
             print(f"resuming from {self.path}/checkpoint.msgpack {resumed}; environments restart their episodes")
 
+    def write_config(self) -> str:
+        """config.json: the arguments, the script and the layout (in the a/l/d notation: actor and learner device ids,
+        processes); returns the notation."""
+        args = self.args
+        cfg = self.cfg
+        actors = ",".join(map(str, args.actor_device_ids))
+        learners = ",".join(map(str, args.learner_device_ids))
+        notation = f"a{actors}-l{learners}-d{cfg.world_size}"
+        layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads)
+        layout.update(actor_devices=[str(d) for d in cfg.actor_devices], platform=jax.default_backend())
+        layout.update(learner_devices=[str(d) for d in cfg.learner_devices], num_envs=cfg.num_envs)
+        layout.update(batch_size=cfg.batch_size, num_updates=cfg.num_updates)
+        config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
+        with open(f"{self.path}/config.json", "w") as f:
+            json.dump(config, f, indent=2)
+        return notation
+
     def report(self, **progress):  # --distributed: how far this process got, for cleanba/supervise.py
         if self.args.distributed:
             print(f"cleanba-progress {json.dumps(progress)}", file=sys.stderr)
 
     def log(self, update: int, data_version: int, record: dict, timings: dict, rollouts: list, state: TrainState):
+        """updates.jsonl gets every update; TensorBoard and the console every --log-frequency updates, the losses as
+        their mean over the updates since the last log line and the episodes that ended since then."""
         self.episodes += record["episodes"]
         if not self.active:
             return
         step = update * self.cfg.batch_size
         record = dict(update=update, global_step=step, data_version=data_version, **record)
         self.updates.write(json.dumps(record) + "\n")
+        self.recent_losses.append(record["losses"])
         if update % self.args.log_frequency and update != self.cfg.num_updates:
             return
         elapsed = time.time() - self.start_time
         sps = int((update - self.start_update) * self.cfg.batch_size / elapsed)
         actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
-        learning_rate = self.schedule(int(to_host(state.step))) if callable(self.schedule) else self.schedule
+        learning_rate = self.schedule
+        if callable(self.schedule):
+            learning_rate = self.schedule(int(to_host(state.step)))
         scalars = {"charts/SPS": sps, "charts/learning_rate": float(learning_rate), "stats/update": update}
-        (episodes, returns, lengths), self.episodes = self.episodes, np.zeros(3)  # sums over the episodes that ended
+        episodes, returns, lengths = self.episodes  # sums over the episodes that ended
         if episodes:
             scalars.update({"charts/episodic_return": returns / episodes, "charts/episodic_length": lengths / episodes})
         scalars.update({"stats/actor_policy_version": data_version, "stats/learner_policy_version": update})
-        scalars.update({f"losses/{name}": value for name, value in record["losses"].items()})
+        for name in record["losses"]:
+            scalars[f"losses/{name}"] = np.mean([losses[name] for losses in self.recent_losses])
         scalars.update({f"stats/{name}": seconds for name, seconds in {**actor_timings, **timings}.items()})
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
+        self.episodes = np.zeros(3)
+        self.recent_losses = []
         eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
         recent = f"{returns / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
-        learner_wait, actor_wait = timings["rollout_queue_get_time"], actor_timings.get("params_queue_get_time", 0)
+        learner_wait = timings["rollout_queue_get_time"]
+        actor_wait = actor_timings.get("params_queue_get_time", 0)
         waits = f"waits: learner {learner_wait:.2f}s, actors {actor_wait:.2f}s"  # the side that waits more is faster
         progress = f"update {update}/{self.cfg.num_updates} | step {step:,} | SPS {sps:,} | return {recent}"
         print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")
 
     def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
         """Written, flushed, then renamed (a reader never sees a partial file): when due, and when the run stops."""
-        interval, minutes = self.args.checkpoint_interval, self.args.checkpoint_minutes
-        due = (interval and update % interval == 0) or time.time() - self.last_checkpoint_time > 60 * minutes
+        interval = self.args.checkpoint_interval
+        elapsed = time.time() - self.last_checkpoint_time
+        due = (interval and update % interval == 0) or elapsed > 60 * self.args.checkpoint_minutes
         if if_due and not due:
             return
-        self.last_checkpoint, self.last_checkpoint_time = update, time.time()
+        self.last_checkpoint = update
+        self.last_checkpoint_time = time.time()
         if not self.active:
             return
         config = json.dumps(algorithm_config(self.args, self.cfg), sort_keys=True)
@@ -820,8 +1023,6 @@ class RunDir:
             f.write(flax.serialization.msgpack_serialize(checkpoint))
             f.flush()
             os.fsync(f.fileno())
-        if fault_injected("checkpoint", update):
-            os._exit(137)  # killed between the write and the rename
         os.replace(f"{self.path}/checkpoint.msgpack.tmp", f"{self.path}/checkpoint.msgpack")
 
     def close(self, finished: bool):
@@ -830,32 +1031,6 @@ class RunDir:
             self.updates.close()
         if finished and self.wandb:
             self.wandb.finish()
-
-
-def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space, checkpoint: dict | None):
-    """(Parameters from --seed or the checkpoint, and the optimiser, on the learner devices; start update; schedule)"""
-    initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
-    torso_key, q_key = jax.random.split(initialisation_key)
-    dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
-    torso_params = networks.torso.init(torso_key, dummy_obs)
-    hidden, _ = networks.torso.apply(torso_params, dummy_obs)
-    params = dict(torso=torso_params)
-    if networks.core:  # a stream of its own (the other keys are those of a run without a core)
-        core_key, size = jax.random.fold_in(initialisation_key, 3), networks.core.size
-        sequence = np.zeros((1, 1, hidden.shape[-1]), np.float32)
-        params["core"] = networks.core.init(core_key, np.zeros((1, 2, size)), sequence, np.zeros((1, 1), bool))
-        hidden = np.zeros((1, size), np.float32)
-    params["q_head"] = networks.q_head.init(q_key, hidden)
-    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
-    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
-    # RAdam (Liu et al., 2020), as the paper: Adam whose early steps are damped while its variance estimate is poor.
-    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.radam(schedule))
-    state, start_update = TrainState.create(apply_fn=None, params=params, tx=tx), 0
-    if checkpoint:  # optimiser state and step count included, so the learning-rate schedule continues
-        state, start_update = flax.serialization.from_state_dict(state, checkpoint["state"]), checkpoint["update"]
-    if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
-        state, start_update = jax.device_get(multihost_utils.broadcast_one_to_all((state, start_update)))
-    return replicate(state, cfg), int(start_update), schedule
 
 
 def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: list, state: TrainState, update: int):
@@ -879,50 +1054,10 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: li
     if actors.failures and args.distributed:
         sys.stderr.flush()
         os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
-    if actors.failures or preempted:
-        sys.exit(1 if actors.failures else 128 + (signals[0] if signals else signal.SIGTERM))
-
-
-def main(args: Args):
-    cfg, run_name, checkpoint = start_up(args)
-    signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: signals.append(signum))
-    if checkpoint and checkpoint["update"] == cfg.num_updates:
-        other = "--no-resume starts it over, --run-name or --seed starts another"
-        return print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({other})")
-    networks = make_networks(args, spec := envpool.make_spec(args.env_id, **env_options(args)))
-    state, start_update, schedule = init_train_state(args, cfg, networks, spec.observation_space, checkpoint)
-    run_dir = RunDir(args, cfg, run_name, start_update, schedule)
-    update_fn = make_update(args, cfg, networks)
-    actors = Actors(args, cfg, networks, start_update)
-    # All processes stop after the same update, or one would wait forever in a collective of the next.
-    any_process = jax.pmap(lambda stop: jax.lax.psum(stop, "devices"), "devices", devices=cfg.learner_devices)
-
-    update = start_update
-    try:
-        actors.publish(replica(state.params), start_update + 1)
-        for update in range(start_update + 1, cfg.num_updates + 1):
-            timings = {}
-            with timer(timings, "rollout_queue_get_time"):
-                rollouts = actors.collect()
-            data_version = check_version_contract(rollouts, update, start_update + 1, args.concurrency)
-            batch = collate(rollouts, len(cfg.local_learner_devices))
-            with timer(timings, "update_time"):
-                state, record = learn(update_fn, state, batch, update, run_dir.last_checkpoint)
-            if update < cfg.num_updates:
-                actors.publish(replica(state.params), update + 1)
-            run_dir.log(update, data_version, record, timings, rollouts, state)
-            stop = np.full(len(cfg.local_learner_devices), bool(signals), np.int32)
-            if signals if cfg.world_size == 1 else int(to_host(any_process(stop))):
-                break
-            run_dir.checkpoint(state, update, if_due=True)
-            run_dir.report(update=update, checkpoint=run_dir.last_checkpoint)
-    except StopRequested:
-        pass
-    except BaseException:
-        actors.fail()
-    finish(args, cfg, actors, run_dir, signals, state, update)
+    if actors.failures:
+        sys.exit(1)
+    if preempted:  # the shell's convention for a process a signal stopped (SIGTERM when another process was)
+        sys.exit(128 + (signals[0] if signals else signal.SIGTERM))
 
 
 if __name__ == "__main__":

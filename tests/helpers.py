@@ -84,8 +84,11 @@ def run(cwd, *flags, algo="ppo", num_devices=None, env=None, timeout=300, shared
 def start(cwd, *flags, algo="ppo", num_devices=None, env=None) -> subprocess.Popen:
     """Starts the script in a session of its own (its id is the pid), so that session_processes() can tell
     whether it left any process behind."""
+    args = command(algo, flags, shared_cache=True)
+    if "CLEANBA_FAULT" in (env or {}):  # a fault injected by tests/with_fault.py
+        args.insert(1, os.path.join(REPO, "tests", "with_fault.py"))
     return subprocess.Popen(
-        command(algo, flags, shared_cache=True),
+        args,
         cwd=cwd,
         env=env or script_env(num_devices),
         stdout=subprocess.PIPE,
@@ -245,7 +248,8 @@ def script_parts(script, *flags) -> Parts:
     script.check_args(args)
     cfg, spec = script.derive_config(args), envpool.make_spec(args.env_id, **script.env_options(args))
     networks = script.make_networks(args, spec)
-    state, _, _ = script.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    state, _ = script.init_train_state(args, cfg, networks, spec.observation_space)
+    state, _ = script.resume(cfg, state, checkpoint=None, run_name="")  # a fresh state, on the learner devices
     return Parts(args, cfg, spec, networks, state)
 
 

@@ -1,0 +1,91 @@
+"""Runs a training script with a fault injected at a known update, for the failure tests:
+
+    CLEANBA_FAULT=<fault>@<update> python tests/with_fault.py cleanba/cleanba_ppo.py [flags]
+
+    actor@K       the first actor thread raises in its rollout for update K
+    learner@K     the learner raises at update K
+    nan@K         update K's batch has NaN rewards (the loss becomes non-finite)
+    sigterm@K     the process sends itself SIGTERM during update K (a preemption at a known update)
+    checkpoint@K  the process dies between writing update K's checkpoint and renaming it into place
+
+The script is loaded as a module and some of its functions are wrapped here, so the scripts carry no test hook.
+"""
+
+import importlib.util
+import os
+import signal
+import sys
+
+import numpy as np
+import tyro
+
+path = sys.argv[1]
+sys.argv = [path, *sys.argv[2:]]
+spec = importlib.util.spec_from_file_location(os.path.basename(path)[: -len(".py")], path)
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+fault, _, due = os.environ["CLEANBA_FAULT"].partition("@")
+due = int(due)
+
+
+def announce():
+    print(f"CLEANBA_FAULT: {fault} fault at update {due}", file=sys.stderr, flush=True)
+
+
+def with_actor_fault(make_rollout):
+    def faulty_make_rollout(args, networks, envs, env_ids, platform):
+        handle, rollout = make_rollout(args, networks, envs, env_ids, platform)
+        if env_ids[0] != 0:  # only the first actor thread fails
+            return handle, rollout
+        updates = iter(range(1, 2**31))  # a fresh run's rollouts, one per update
+
+        def faulty_rollout(params, env):
+            if next(updates) == due:
+                announce()
+                raise RuntimeError(f"CLEANBA_FAULT: injected actor failure at update {due}")
+            return rollout(params, env)
+
+        return handle, faulty_rollout
+
+    return faulty_make_rollout
+
+
+def with_learner_fault(learn):
+    def faulty_learn(update_fn, state, batch, update, last_checkpoint):
+        if update == due:
+            announce()
+            if fault == "learner":
+                raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
+            if fault == "nan":
+                batch["rewards"][:] = np.nan
+            if fault == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+        return learn(update_fn, state, batch, update, last_checkpoint)
+
+    return faulty_learn
+
+
+def with_checkpoint_fault(checkpoint):
+    def faulty_checkpoint(run_dir, state, update, if_due=False):
+        if update == due:
+
+            def die(*_):  # the write happened; the rename never does
+                announce()
+                os._exit(137)
+
+            os.replace = die
+        return checkpoint(run_dir, state, update, if_due)
+
+    return faulty_checkpoint
+
+
+if fault == "actor":
+    script.make_rollout = with_actor_fault(script.make_rollout)
+elif fault in ("learner", "nan", "sigterm"):
+    script.learn = with_learner_fault(script.learn)
+elif fault == "checkpoint":
+    script.RunDir.checkpoint = with_checkpoint_fault(script.RunDir.checkpoint)
+else:
+    sys.exit(f"CLEANBA_FAULT={os.environ['CLEANBA_FAULT']}: unknown fault")
+sys.stdout.reconfigure(line_buffering=True)
+script.main(tyro.cli(script.Args))
