@@ -673,14 +673,14 @@ def main(args: Args):
     signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: signals.append(signum))
-    if checkpoint and checkpoint["update"] == cfg.num_updates:
-        print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({RESUME_WAYS_OUT})")
-        return
     spec = envpool.make_spec(args.env_id, **env_options(args))
     networks = make_networks(args, spec)
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
     with refusing_bad_input():
         state, start_update = resume(cfg, state, checkpoint, run_name)
+    if start_update == cfg.num_updates:
+        print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({RESUME_WAYS_OUT})")
+        return
     run_dir = RunDir(args, cfg, run_name, start_update, schedule)
     update_fn = make_update(args, cfg, networks)
     actors = Actors(args, cfg, networks, start_update)

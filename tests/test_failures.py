@@ -2,25 +2,33 @@
 read, a non-finite loss stops training, the run name and --no-resume do what they say. Preemption and resume
 are tested with the learning run (test_training.py).
 
-Faults are injected with the scripts' documented test hook CLEANBA_FAULT=<actor|learner|nan|checkpoint>@<update>.
+Faults are injected by tests/with_fault.py (CLEANBA_FAULT=<actor|learner|nan|sigterm|checkpoint>@<update>).
 """
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import flax.serialization
 import numpy as np
 import pytest
+import tyro
+from conftest import SYNC_FLAGS
 from helpers import (
     CARTPOLE,
+    SCRIPTS,
     command,
     free_port,
     load_checkpoint,
+    load_module,
+    load_script,
     only_run,
+    run,
     run_dirs,
     script_env,
     session_processes,
@@ -75,6 +83,83 @@ def test_run_name_and_no_resume(sync_run, sync_rerun):
     assert over.path.endswith(os.path.join("runs", "sync")) and load_checkpoint(over.path)["update"] == 12
     assert [record["update"] for record in over.records] == list(range(1, 13))
     assert values(over.scalars, "stats/update") == list(range(1, 13))
+
+
+def copy_of_ppo(directory, *changes: tuple[str, str]) -> str:
+    """A researcher's copy of cleanba_ppo.py, under the same name in another directory, with text replaced."""
+    with open(SCRIPTS["ppo"]) as f:
+        source = f.read()
+    for old, new in changes:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "cleanba_ppo.py"), "w") as f:
+        f.write(source)
+    return os.path.join(directory, "cleanba_ppo.py")
+
+
+CLIP_COEF = "    clip_coef: Algorithm[float] = 0.1  # PPO's surrogate clipping coefficient\n"
+NEW_FLAG = (CLIP_COEF, CLIP_COEF + "    clip_vloss: Algorithm[bool] = False  # clip the value loss (a new flag)\n")
+
+
+def refusal(result) -> str:
+    """The one line a refused run prints (exit status 2, no traceback)."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stdout, result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("algo", ["ppo"], indirect=True)
+def test_a_new_flag_keeps_runs_and_an_unusable_checkpoint_is_refused(sync_run, tmp_path, monkeypatch):
+    """A copy of the script with a new Algorithm field at its default names runs as before and resumes their
+    checkpoints (made before the field existed); the field at another value is refused on that run. A checkpoint cut
+    short, one of another script and one of other networks are refused in one line, exit 2, nothing written."""
+    copy = copy_of_ppo(tmp_path / "copy", NEW_FLAG)
+    flags = ["--env-id", "CartPole-v1", "--compilation-cache-dir", "None"]
+    original, copied = load_script("ppo"), load_module(copy)
+    monkeypatch.chdir(tmp_path)  # start_up looks for runs/ here (none)
+    assert (
+        original.start_up(tyro.cli(original.Args, args=flags))[1]
+        == copied.start_up(tyro.cli(copied.Args, args=flags))[1]
+    )
+    changed = copied.start_up(tyro.cli(copied.Args, args=[*flags, "--clip-vloss"]))[1]
+    assert changed != original.start_up(tyro.cli(original.Args, args=flags))[1]
+
+    cwd = tmp_path / "run"
+    shutil.copytree(f"{os.path.dirname(os.path.dirname(sync_run.path))}-as-it-ended", cwd)
+    command = [sys.executable, copy, *map(str, SYNC_FLAGS)]
+    again = subprocess.run(command, cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "run sync already finished 12 updates" in again.stdout, again.stderr[-3000:]
+    other_value = subprocess.run(
+        [*command, "--clip-vloss"], cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=120
+    )
+    assert refusal(other_value).startswith(
+        "error: --run-name sync has a checkpoint of another configuration: clip_vloss (False, now True)"
+    )
+
+    path = os.path.join(cwd, "runs", "sync", "checkpoint.msgpack")
+    wider = copy_of_ppo(
+        tmp_path / "wider", ("nn.Dense(128 if self.q_network else 64,", "nn.Dense(128 if self.q_network else 96,")
+    )
+    other_networks = subprocess.run(
+        [sys.executable, wider, *map(str, SYNC_FLAGS)],
+        cwd=cwd,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "holds other networks or optimiser state; --no-resume starts the run over" in refusal(other_networks)
+    other_script = run(cwd, *SYNC_FLAGS, algo="impala")
+    assert "exp_name ('cleanba_ppo', now 'cleanba_impala')" in refusal(other_script)
+    with open(path, "rb") as f:
+        whole = f.read()
+    with open(path, "wb") as f:
+        f.write(whole[: len(whole) // 2])  # as an interrupted copy between clusters leaves it
+    files = sorted(str(p) for p in cwd.rglob("*") if ".compilation_cache" not in str(p))
+    cut_short = run(cwd, *SYNC_FLAGS, shared_cache=False)
+    assert refusal(cut_short).startswith("error: --run-name sync: runs/sync/checkpoint.msgpack cannot be read (")
+    assert sorted(str(p) for p in cwd.rglob("*") if ".compilation_cache" not in str(p)) == files
 
 
 def test_interrupted_checkpoint_writes_are_never_read(tmp_path):

@@ -84,6 +84,34 @@ def test_shared_code_is_identical_in_every_script():
     assert set(pqn) - set(ppo) == {"q_lambda_returns", "exploration_rate"}
 
 
+def test_scripts_are_written_for_reading(algo):
+    """One statement per line, no lambda bound to a name, no conditional expression inside another (or as an if's
+    condition), no tuple of values assigned to a tuple of names, no noqa, no line over 120 characters (ruff, run by
+    .ci/run, holds the rest: E701/E702 one statement per line, E731 lambdas)."""
+    with open(SCRIPTS[algo]) as f:
+        source = f.read()
+    found = [f"line {n}: noqa" for n, line in enumerate(source.splitlines(), 1) if "noqa" in line]
+    found += [f"line {n}: {len(line)} characters" for n, line in enumerate(source.splitlines(), 1) if len(line) > 120]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
+            found.append(f"line {node.lineno}: a lambda bound to a name")
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Tuple)
+            and isinstance(node.value, ast.Tuple)
+        ):
+            found.append(f"line {node.lineno}: a tuple assignment")
+        if isinstance(node, ast.If | ast.While) and isinstance(node.test, ast.IfExp):
+            found.append(f"line {node.lineno}: a conditional expression as a condition")
+        if isinstance(node, ast.IfExp):
+            inner = [
+                n for part in (node.test, node.body, node.orelse) for n in ast.walk(part) if isinstance(n, ast.IfExp)
+            ]
+            if inner:
+                found.append(f"line {node.lineno}: nested conditional expressions")
+    assert not found, found
+
+
 def test_every_field_is_algorithm_or_runtime(algo, tmp_path, monkeypatch):
     """Each field of Args says whether it is part of what the run computes (hashed into the run name, checked
     against a checkpoint on resume) or only of where it runs and how it logs; a new flag that says neither
