@@ -236,12 +236,16 @@ def make_networks(args: Args, spec) -> Networks:
     --lstm-size puts an LSTM between the torso and the Q-values."""
     space = spec.observation_space
     parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
-    discrete_sizes = tuple(getattr(part, "n", 0) for part in parts.values())  # a dict's discrete values: one-hot
+    # A dict's discrete values (Discrete(n): shape ()) are one-hot encoded; n of MultiBinary is a shape.
+    discrete_sizes = tuple(getattr(part, "n", 0) if part.shape == () else 0 for part in parts.values())
     for part, size in zip(parts.values(), discrete_sizes, strict=True):
-        if len(part.shape or ()) not in (1, 3) and not (size and part is not space):
-            raise ConfigError(
-                f"--env-id {args.env_id}: the scripts encode vectors, images and dicts of them, not {space}"
-            )
+        rank = len(part.shape or ())
+        discrete = size > 0 and part is not space  # a dict's discrete value
+        frames = rank == 3 and part is space and part.dtype == np.uint8 and part.shape[0] < min(part.shape[1:])
+        grid = rank == 3 and part is not space and part.dtype == np.uint8  # a dict's grid of cell ids (MiniGrid's)
+        if not (rank == 1 or discrete or frames or grid):
+            what = "vectors, uint8 frames (channels first) and dicts of vectors, discrete values and uint8 grids"
+            raise ConfigError(f"--env-id {args.env_id}: the networks encode {what}, not {part}")
     if not hasattr(spec.action_space, "n"):
         raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
     if len(space.shape or ()) == 3:
@@ -670,7 +674,13 @@ def check_args(args: Args):
         raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
     if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
         raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
-    make_networks(args, envpool.make_spec(args.env_id))  # refuses what the Q-network cannot encode or act on
+    try:  # EnvPool imports a family's module when it makes its first spec (Procgen needs the Qt 5 runtime)
+        spec = envpool.make_spec(args.env_id)
+    except (ImportError, RuntimeError) as error:
+        raise ConfigError(
+            f"--env-id {args.env_id}: EnvPool cannot make it here: {str(error).splitlines()[0]}"
+        ) from None
+    make_networks(args, spec)  # refuses what the Q-network cannot encode or act on
 
 
 def derive_config(args: Args) -> Config:

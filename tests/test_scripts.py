@@ -158,6 +158,10 @@ BAD_INPUT = [
     (["--env-id", "Breakout-v5", "--frame-stack", 0], "--frame-stack"),
     (["--env-id", "Taxi-v3"], "--env-id"),  # a discrete observation: nothing to encode it
     (["--env-id", "Highway-v0"], "--env-id"),  # a matrix of vehicles: neither a vector nor an image
+    (["--env-id", "BigfishEasy-v0"], "--env-id"),  # Procgen: EnvPool needs the Qt 5 runtime, not installed here
+    (["--env-id", "Snake-v1"], "--env-id"),  # Jumanji: a grid of floats in a dict, not MiniGrid's cell ids
+    (["--env-id", "CarRacing-v3"], "--env-id"),  # frames with their channels last: the ResNet would misread them
+    (["--env-id", "Go9x9-v1"], "--env-id"),  # planes of a board, channels last
 ]
 NORM_OBS_ON_A_DICT = (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs")
 ALGO_BAD_INPUT = {
