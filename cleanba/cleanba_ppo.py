@@ -64,6 +64,7 @@ class Args:
     wandb_project_name: Runtime[str] = "cleanba"  # the Weights & Biases project
     wandb_entity: Runtime[str | None] = None  # the Weights & Biases entity (team); None uses your default
     save_model: Runtime[bool] = False  # save the final parameters in the run directory (for cleanba/evaluate.py)
+    capture_video: Runtime[bool] = False  # record the agent at each checkpoint: videos/, TensorBoard (record.py)
     log_frequency: Runtime[int] = 10  # log to TensorBoard and the console every this many updates
     run_name: Runtime[str | None] = None  # under runs/; default: env id, exp name, seed, config hash (a rerun resumes)
     resume: Runtime[bool] = True  # resume from runs/<run_name>/checkpoint.msgpack if it exists; --no-resume: start over
@@ -754,6 +755,8 @@ def check_args(args: Args):
             f"--env-id {args.env_id}: EnvPool cannot make it here: {str(error).splitlines()[0]}"
         ) from None
     networks = make_networks(args, spec)  # refuses what the networks cannot encode
+    if args.capture_video:
+        check_capture_video(args)
     if args.norm_obs and hasattr(spec.observation_space, "spaces"):
         raise ConfigError("--norm-obs normalises a vector observation, not a dict of them")
     # Continuous control (MuJoCo) normalises by default.
@@ -791,6 +794,19 @@ def derive_config(args: Args) -> Config:
     return Config(
         world_size, jax.process_index(), num_envs, batch_size, num_updates, offset, actors, learners, local_learners
     )
+
+
+# --capture-video's companion process (a tool beside the scripts, which never import it).
+RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
+
+
+def check_capture_video(args: Args):
+    """--capture-video needs cleanba/record.py beside the script and an environment EnvPool renders headless."""
+    if not os.path.exists(RECORDER):
+        raise ConfigError(f"--capture-video starts {RECORDER}, which does not exist")
+    if envpool.registration.registry.specs[args.env_id][0].startswith("envpool.mujoco"):
+        why = "EnvPool's MuJoCo renders through OpenGL and creates no context on a machine without a display"
+        raise ConfigError(f"--capture-video cannot record {args.env_id} here: {why}")
 
 
 @contextlib.contextmanager
@@ -1004,6 +1020,7 @@ class RunDir:
         self.episodes = np.zeros(3)  # the count, return sum and length sum of the episodes since the last log line
         self.recent_losses = []  # each update's losses since the last log line
         self.wandb = None
+        self.recorder = None  # --capture-video's process
         if args.distributed:  # for cleanba/supervise.py: this process's rank, every process's host, the run's directory
             name = np.frombuffer(os.uname().nodename.encode()[:64].ljust(64), np.uint8)
             hosts = [bytes(host).decode().strip() for host in multihost_utils.process_allgather(name)]
@@ -1029,6 +1046,9 @@ class RunDir:
                 kept = [line for line in f if json.loads(line)["update"] <= start_update]
         self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
         self.updates.writelines(kept)
+        if args.capture_video:  # a process of its own records the checkpoints: the training path stays as it is
+            # close_fds=False lets Python spawn it without a fork (JAX warns of forks of its threads)
+            self.recorder = subprocess.Popen([sys.executable, RECORDER, self.path], close_fds=False)
         batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
         print(f"run {run_name}: {args.env_id}, {batch}; layout {layout}, actor threads: {args.num_actor_threads}")
         used = {*cfg.actor_devices, *cfg.local_learner_devices}  # the platform, so that a CPU run is never a surprise
@@ -1116,6 +1136,10 @@ class RunDir:
         os.replace(f"{self.path}/checkpoint.msgpack.tmp", f"{self.path}/checkpoint.msgpack")
 
     def close(self, finished: bool):
+        if self.recorder and not finished:
+            self.recorder.terminate()
+        if self.recorder:
+            self.recorder.wait()  # a finished run's last checkpoint recorded (then W&B syncs it)
         if self.active:
             self.writer.close()
             self.updates.close()

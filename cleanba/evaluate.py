@@ -1,14 +1,16 @@
 """Plays episodes with the model a run saved (--save-model): the policy's actions sampled as the actors sample them
-(PQN's: epsilon-greedy at the run's final --end-e).
+(PQN's: epsilon-greedy at the run's final --end-e); with --video, records them.
 
-    python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1]
+    python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1] [--video] [--gif]
 
 The run's config.json names its script and arguments: this tool loads the script as a module, rebuilds its
 networks, reads the model (the normalisation statistics included) and plays on an environment whose global index
 no training environment has, with the actors' own rollout program (a Gaussian's sample clipped to the action
 bounds on its way to the environment; a recurrent policy's state carried through each episode). It prints each
 episode's return (unclipped, for Atari) and their mean, and logs them to the run's TensorBoard events as
-eval/episodic_return. A tool: the training scripts never import it.
+eval/episodic_return. With --video, each episode is also written to runs/<run_name>/videos/ as an MP4 (--gif: a GIF),
+its return in the file name: the frames EnvPool renders, at the environment's own size, from the reset to the
+episode's last step (length + 1 frames). A tool: the training scripts never import it.
 """
 
 import argparse
@@ -18,14 +20,34 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 
 import envpool
 import flax.serialization
+import imageio.v2 as imageio
 import jax
 import numpy as np
 from tensorboardX import SummaryWriter
 
+# imageio-ffmpeg starts ffmpeg with a fork, which JAX warns of: the child runs ffmpeg at once, never JAX.
+warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
 EVAL_ENV_INDEX = 2**20 - 1  # a global env index of the run's seed block that no training run reaches
+# EnvPool's families that render without a display (tried: CartPole, Atari, MiniGrid). MuJoCo's renderer needs an
+# OpenGL context, which EnvPool does not create: without one it stops the process.
+RENDERING_FAMILIES = ("envpool.classic_control", "envpool.atari", "envpool.minigrid")
+FRAMES_PER_SECOND = 30
+
+
+def render_refusal(env_id: str) -> str | None:
+    """Why EnvPool cannot render `env_id` on this machine, or None if it can."""
+    family = envpool.registration.registry.specs[env_id][0]
+    if family.startswith("envpool.mujoco"):
+        return (
+            f"{env_id}: EnvPool's MuJoCo renders through OpenGL and creates no context on a machine without a display"
+        )
+    if family not in RENDERING_FAMILIES:
+        return f"{env_id}: recording is supported for {', '.join(RENDERING_FAMILIES)} ids, not {family}"
+    return None
 
 
 def load_script(name: str):
@@ -36,7 +58,8 @@ def load_script(name: str):
     return module
 
 
-def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float]:
+def load_run(run_dir: str, seed: int | None = None):
+    """(The run's script as a module, its arguments, its networks) from its config.json."""
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
     script = load_script(
@@ -49,12 +72,26 @@ def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float
     if hasattr(args, "end_e"):  # Q-learning (PQN) plays epsilon-greedily at its final exploration rate, not its first
         args.start_e = args.end_e
     networks = script.make_networks(args, envpool.make_spec(args.env_id, **script.env_options(args)))
+    return script, args, networks
+
+
+def saved_params(run_dir: str, exp_name: str):
+    with open(os.path.join(run_dir, f"{exp_name}.cleanba_model"), "rb") as f:
+        params = flax.serialization.msgpack_restore(f.read())
+    return on_actor_axis(params)
+
+
+def on_actor_axis(params):  # the device axis the actors' rollout takes
+    return jax.tree.map(lambda x: np.asarray(x)[None], params)
+
+
+def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float]:
+    script, args, networks = load_run(run_dir, seed)
     envs = script.make_env(args, 1, EVAL_ENV_INDEX)
     handle, rollout = script.make_rollout(args, networks, envs, np.array([EVAL_ENV_INDEX]), jax.default_backend())
-    with open(os.path.join(run_dir, f"{args.exp_name}.cleanba_model"), "rb") as f:
-        params = flax.serialization.msgpack_restore(f.read())
-    params = jax.tree.map(lambda x: np.asarray(x)[None], params)  # the device axis the actors' rollout takes
-    env, returns = script.first_state(envs, handle, step=0, core_size=args.lstm_size), []
+    params = saved_params(run_dir, args.exp_name)
+    env = script.first_state(envs, handle, step=0, core_size=args.lstm_size)
+    returns = []
     while len(returns) < episodes:  # the returns of the episodes that ended in each rollout, in order
         env, batch = rollout(params, env)
         batch = jax.device_get(batch)
@@ -62,23 +99,88 @@ def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float
     return returns[:episodes]
 
 
+class Recorder:
+    """Plays and records episodes of a run's policy, one environment step per rollout (EnvPool renders the state
+    between steps); the program is compiled once, the parameters can change between episodes."""
+
+    def __init__(self, run_dir: str, seed: int | None = None, max_frames: int | None = None):
+        self.script, self.args, networks = load_run(run_dir, seed)
+        self.args.num_steps = 1
+        self.max_frames = max_frames  # an episode longer than this is cut (its video ends there)
+        self.envs = self.script.make_env(self.args, 1, EVAL_ENV_INDEX, render_mode="rgb_array")
+        env_ids = np.array([EVAL_ENV_INDEX])
+        handle, self.rollout = self.script.make_rollout(self.args, networks, self.envs, env_ids, jax.default_backend())
+        self.env = self.script.first_state(self.envs, handle, step=0, core_size=self.args.lstm_size)
+        self.frames = [self.envs.render()[0]]
+
+    def episode(self, params) -> tuple[list[np.ndarray], float]:
+        """(The frames of the next episode, from its reset to its last step; its return)."""
+        while True:
+            self.env, batch = self.rollout(params, self.env)
+            batch = jax.device_get(batch)
+            if not batch["valid"][0, 0]:  # EnvPool's reset step: a new episode's first frame
+                self.frames = [self.envs.render()[0]]
+                continue
+            self.frames.append(self.envs.render()[0])
+            if batch["dones"][0, 0]:
+                return self.frames, float(batch["episode_returns"][0, 0])
+            if self.max_frames and len(self.frames) >= self.max_frames:
+                return self.frames, float("nan")
+
+
+def write_video(path: str, frames: list[np.ndarray]):
+    """An MP4 (H.264, imageio-ffmpeg's own ffmpeg) or, for a .gif path, an endlessly looping GIF."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if path.endswith(".gif"):
+        imageio.mimwrite(path, frames, duration=1000 / FRAMES_PER_SECOND, loop=0)
+        return
+    # macro_block_size 1: frames at their own size (EnvPool's are even-sized, as H.264's pixel format needs).
+    imageio.mimwrite(path, frames, fps=FRAMES_PER_SECOND, macro_block_size=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a run directory with config.json and the model saved by --save-model")
     parser.add_argument("--episodes", type=int, default=10, help="episodes to play")
     parser.add_argument("--seed", type=int, default=None, help="another seed than the run's (environments, actions)")
+    parser.add_argument("--video", action="store_true", help="record each episode to <run_dir>/videos/ as an MP4")
+    parser.add_argument("--gif", action="store_true", help="with --video: GIFs instead of MP4s (for documentation)")
     args = parser.parse_args()
     if args.episodes <= 0:
         parser.error("--episodes must be positive")
+    if args.gif and not args.video:
+        parser.error("--gif records videos: add --video")
     if not glob.glob(os.path.join(args.run_dir, "*.cleanba_model")):
         print(f"error: {args.run_dir} holds no model (train with --save-model)", file=sys.stderr)
         sys.exit(2)
-    returns = evaluate(args.run_dir, args.episodes, args.seed)
+    if args.video:
+        with open(os.path.join(args.run_dir, "config.json")) as f:
+            refusal = render_refusal(json.load(f)["args"]["env_id"])
+        if refusal:
+            print(f"error: --video: {refusal}", file=sys.stderr)
+            sys.exit(2)
+        returns = record(args.run_dir, args.episodes, args.seed, "gif" if args.gif else "mp4")
+    else:
+        returns = evaluate(args.run_dir, args.episodes, args.seed)
     with SummaryWriter(args.run_dir) as writer:
         for episode, episode_return in enumerate(returns):
             writer.add_scalar("eval/episodic_return", episode_return, episode)
             print(f"eval episode {episode}: return {episode_return}")
     print(f"mean return over {len(returns)} episodes: {np.mean(returns):.2f} ± {np.std(returns):.2f}")
+
+
+def record(run_dir: str, episodes: int, seed: int | None, extension: str) -> list[float]:
+    """Plays `episodes` episodes with the saved model and writes each to run_dir/videos/; returns their returns."""
+    recorder = Recorder(run_dir, seed)
+    params = saved_params(run_dir, recorder.args.exp_name)
+    returns = []
+    for episode in range(episodes):
+        frames, episode_return = recorder.episode(params)
+        name = f"eval-seed{recorder.args.seed}-episode{episode}-return{episode_return:g}.{extension}"
+        write_video(os.path.join(run_dir, "videos", name), frames)
+        print(f"wrote {os.path.join(run_dir, 'videos', name)} ({len(frames)} frames)")
+        returns.append(episode_return)
+    return returns
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""Records the agent of a run while it trains: the training scripts' --capture-video starts it beside them.
+
+    python cleanba/record.py runs/<run_name>
+
+Each time the run writes a checkpoint, this process plays one episode with the checkpoint's parameters (on an
+environment no training environment is, with the actors' own rollout program: see cleanba/evaluate.py), writes it to
+runs/<run_name>/videos/update-<U>.mp4 and logs it to the run's TensorBoard events as `videos/agent` (an animated GIF)
+at the checkpoint's global step; with --track, W&B's TensorBoard sync mirrors it. The recording is off the training
+path: it reads the checkpoints the run writes anyway, in a process of its own, so the batches, the fingerprints and
+the policy lag are those of the same run without it. It stops after the run's last checkpoint, or when the training
+process is gone. Checkpoints come every --checkpoint-interval updates or --checkpoint-minutes minutes.
+"""
+
+import io
+import json
+import os
+import sys
+import time
+
+import flax.serialization
+import imageio.v2 as imageio
+from evaluate import FRAMES_PER_SECOND, Recorder, on_actor_axis, write_video
+from tensorboardX import FileWriter
+from tensorboardX.proto.summary_pb2 import Summary
+
+MAX_FRAMES = 3_000  # an Atari episode can last 27,000 steps: its video stops here
+
+
+def log_video(writer: FileWriter, tag: str, frames: list, step: int):
+    """TensorBoard's video: an animated GIF in an image summary (what tensorboardX's add_video writes)."""
+    buffer = io.BytesIO()
+    imageio.mimwrite(buffer, frames, format="GIF", duration=1000 / FRAMES_PER_SECOND, loop=0)
+    height, width, channels = frames[0].shape
+    image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=buffer.getvalue())
+    writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+    writer.flush()
+
+
+def main(run_dir: str):
+    parent = os.getppid()
+    with open(os.path.join(run_dir, "config.json")) as f:
+        layout = json.load(f)["layout"]
+    path = os.path.join(run_dir, "checkpoint.msgpack")
+    writer = FileWriter(run_dir, filename_suffix=".videos")
+    recorder = None
+    recorded = None  # the modification time of the last checkpoint recorded
+    while True:
+        training = os.getppid() == parent
+        modified = os.path.getmtime(path) if os.path.exists(path) else None
+        if modified is None or modified == recorded:
+            if not training:
+                return
+            time.sleep(1.0)
+            continue
+        recorded = modified
+        with open(path, "rb") as f:  # the scripts write checkpoints whole, then rename them into place
+            checkpoint = flax.serialization.msgpack_restore(f.read())
+        recorder = recorder or Recorder(run_dir, max_frames=MAX_FRAMES)
+        frames, episode_return = recorder.episode(on_actor_axis(checkpoint["state"]["params"]))
+        update = int(checkpoint["update"])
+        write_video(os.path.join(run_dir, "videos", f"update-{update}.mp4"), frames)
+        log_video(writer, "videos/agent", frames, update * layout["batch_size"])
+        print(f"record.py: update {update}: an episode of {len(frames) - 1} steps, return {episode_return:g}")
+        if update == layout["num_updates"]:
+            return
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not os.path.isfile(os.path.join(sys.argv[1], "config.json")):
+        print("usage: python cleanba/record.py RUN_DIR (a run directory with config.json)", file=sys.stderr)
+        sys.exit(2)
+    main(sys.argv[1])
