@@ -67,11 +67,14 @@ def test_cartpole_learns_and_resumes_after_sigterm(tmp_path, algo):
     learning_rate = float(flags[flags.index("--learning-rate") + 1])
     for step, lr in scalars["charts/learning_rate"]:  # the schedule continued where it stopped
         assert lr == pytest.approx(learning_rate * (1 - step / (num_updates * batch_size)), abs=1e-7)
-    # TensorBoard's losses: each the mean over the updates since the last log line (updates.jsonl has every update).
-    log_frequency = int(flags[flags.index("--log-frequency") + 1])
-    for step, logged in scalars["losses/loss"][:3]:
+    # TensorBoard's losses: each the mean over the updates since the last log line of its process (updates.jsonl has
+    # every update); the resumed process's first line covers the updates since the resume.
+    previous = 0  # the update of the previous log line
+    for step, logged in scalars["losses/loss"]:
         update = step // batch_size
-        since_last_log = [r["losses"]["loss"] for r in records[update - log_frequency : update]]
+        first = max(previous, interrupted if update > interrupted else 0)
+        since_last_log = [r["losses"]["loss"] for r in records[first:update]]
+        previous = update
         assert logged == pytest.approx(np.mean(since_last_log), rel=1e-5), (update, logged, since_last_log)
     returns = scalars["charts/episodic_return"]
     assert returns[0][1] < 100, returns  # it learned: the first episodes were far from solved
