@@ -65,6 +65,17 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
   fi
 fi
 
+# Videos of MuJoCo tasks (cleanba/evaluate.py --video, --capture-video) render through Mesa's EGL, on the CPU where
+# there is no GPU.
+if ! dpkg -s libegl1 libegl-mesa0 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libegl1 libegl-mesa0 >/dev/null
+  else
+    echo "setup.sh: videos of MuJoCo tasks need Debian's libegl1 and libegl-mesa0 (as root: apt-get install" \
+         "libegl1 libegl-mesa0)" >&2
+  fi
+fi
+
 .tools/bin/poetry env use --quiet "$python"
 # sync, not install: it also removes what the lock does not ask for (a CUDA build, after CLEANBA_CUDA=none).
 # --compile writes the packages' bytecode now: where PYTHONDONTWRITEBYTECODE is set (as on our CI machines), Python

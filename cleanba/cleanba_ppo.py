@@ -13,6 +13,7 @@ thread that holds it: the same seed gives the same batches on 1 device or many.
 """
 
 import contextlib
+import ctypes.util
 import dataclasses
 import functools
 import hashlib
@@ -801,12 +802,13 @@ RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
 
 
 def check_capture_video(args: Args):
-    """--capture-video needs cleanba/record.py beside the script and an environment EnvPool renders headless."""
+    """--capture-video needs cleanba/record.py beside the script, and for MuJoCo an OpenGL library (EGL's)."""
     if not os.path.exists(RECORDER):
         raise ConfigError(f"--capture-video starts {RECORDER}, which does not exist")
-    if envpool.registration.registry.specs[args.env_id][0].startswith("envpool.mujoco"):
-        why = "EnvPool's MuJoCo renders through OpenGL and creates no context on a machine without a display"
-        raise ConfigError(f"--capture-video cannot record {args.env_id} here: {why}")
+    mujoco = envpool.registration.registry.specs[args.env_id][0].startswith("envpool.mujoco")
+    if mujoco and not ctypes.util.find_library("EGL"):
+        install = "install Debian's libegl1 and libegl-mesa0 (bash setup.sh does, as root)"
+        raise ConfigError(f"--capture-video: MuJoCo ({args.env_id}) renders through EGL, not found here: {install}")
 
 
 @contextlib.contextmanager

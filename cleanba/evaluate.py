@@ -14,6 +14,9 @@ episode's last step (length + 1 frames). A tool: the training scripts never impo
 """
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import glob
 import importlib.util
@@ -21,6 +24,11 @@ import json
 import os
 import sys
 import warnings
+
+# EnvPool's MuJoCo finds OpenGL only in a library loaded before EnvPool is: Mesa's EGL (Debian's libegl1 and
+# libegl-mesa0, which setup.sh installs as root) renders on the CPU where there is no GPU.
+with contextlib.suppress(OSError):
+    ctypes.CDLL("libEGL.so.1", mode=ctypes.RTLD_GLOBAL)
 
 import envpool
 import flax.serialization
@@ -32,21 +40,18 @@ from tensorboardX import SummaryWriter
 # imageio-ffmpeg starts ffmpeg with a fork, which JAX warns of: the child runs ffmpeg at once, never JAX.
 warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
 EVAL_ENV_INDEX = 2**20 - 1  # a global env index of the run's seed block that no training run reaches
-# EnvPool's families that render without a display (tried: CartPole, Atari, MiniGrid). MuJoCo's renderer needs an
-# OpenGL context, which EnvPool does not create: without one it stops the process.
-RENDERING_FAMILIES = ("envpool.classic_control", "envpool.atari", "envpool.minigrid")
+# EnvPool's families that render without a display (tried: CartPole, Breakout, MiniGrid, HalfCheetah).
+RENDERING_FAMILIES = ("envpool.classic_control", "envpool.atari", "envpool.minigrid", "envpool.mujoco.gym")
 FRAMES_PER_SECOND = 30
 
 
 def render_refusal(env_id: str) -> str | None:
-    """Why EnvPool cannot render `env_id` on this machine, or None if it can."""
+    """Why EnvPool cannot render `env_id` on this machine, or None (MuJoCo without EGL would stop the process)."""
     family = envpool.registration.registry.specs[env_id][0]
-    if family.startswith("envpool.mujoco"):
-        return (
-            f"{env_id}: EnvPool's MuJoCo renders through OpenGL and creates no context on a machine without a display"
-        )
     if family not in RENDERING_FAMILIES:
         return f"{env_id}: recording is supported for {', '.join(RENDERING_FAMILIES)} ids, not {family}"
+    if family.startswith("envpool.mujoco") and not ctypes.util.find_library("EGL"):
+        return f"{env_id}: MuJoCo renders through EGL: install Debian's libegl1 and libegl-mesa0 (setup.sh as root)"
     return None
 
 
@@ -105,6 +110,8 @@ class Recorder:
 
     def __init__(self, run_dir: str, seed: int | None = None, max_frames: int | None = None):
         self.script, self.args, networks = load_run(run_dir, seed)
+        if refusal := render_refusal(self.args.env_id):
+            raise RuntimeError(refusal)
         self.args.num_steps = 1
         self.max_frames = max_frames  # an episode longer than this is cut (its video ends there)
         self.envs = self.script.make_env(self.args, 1, EVAL_ENV_INDEX, render_mode="rgb_array")
@@ -130,10 +137,13 @@ class Recorder:
 
 def write_video(path: str, frames: list[np.ndarray]):
     """An MP4 (H.264, imageio-ffmpeg's own ffmpeg) or, for a .gif path, an endlessly looping GIF for documentation:
-    every second frame at half the size (a GIF stores every pixel of every frame)."""
+    a GIF stores every pixel of every frame: a long episode keeps every second frame, a large one half its size."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if path.endswith(".gif"):
-        imageio.mimwrite(path, [frame[::2, ::2] for frame in frames[::2]], duration=2000 / FRAMES_PER_SECOND, loop=0)
+        step = 2 if len(frames) > 100 else 1
+        scale = 2 if frames[0].shape[1] > 320 else 1
+        small = [frame[::scale, ::scale] for frame in frames[::step]]
+        imageio.mimwrite(path, small, duration=1000 * step / FRAMES_PER_SECOND, loop=0)
         return
     # macro_block_size 1: frames at their own size (EnvPool's are even-sized, as H.264's pixel format needs).
     imageio.mimwrite(path, frames, fps=FRAMES_PER_SECOND, macro_block_size=1)
@@ -146,11 +156,16 @@ def main():
     parser.add_argument("--seed", type=int, default=None, help="another seed than the run's (environments, actions)")
     parser.add_argument("--video", action="store_true", help="record each episode to <run_dir>/videos/ as an MP4")
     parser.add_argument("--gif", action="store_true", help="with --video: small GIFs instead of MP4s (for docs)")
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="with --video: cut each video after this many steps"
+    )
     args = parser.parse_args()
     if args.episodes <= 0:
         parser.error("--episodes must be positive")
-    if args.gif and not args.video:
-        parser.error("--gif records videos: add --video")
+    if (args.gif or args.max_steps) and not args.video:
+        parser.error("--gif and --max-steps shape videos: add --video")
+    if args.max_steps is not None and args.max_steps <= 0:
+        parser.error("--max-steps must be positive")
     if not glob.glob(os.path.join(args.run_dir, "*.cleanba_model")):
         print(f"error: {args.run_dir} holds no model (train with --save-model)", file=sys.stderr)
         sys.exit(2)
@@ -160,7 +175,7 @@ def main():
         if refusal:
             print(f"error: --video: {refusal}", file=sys.stderr)
             sys.exit(2)
-        returns = record(args.run_dir, args.episodes, args.seed, "gif" if args.gif else "mp4")
+        returns = record(args.run_dir, args.episodes, args.seed, "gif" if args.gif else "mp4", args.max_steps)
     else:
         returns = evaluate(args.run_dir, args.episodes, args.seed)
     with SummaryWriter(args.run_dir) as writer:
@@ -170,14 +185,16 @@ def main():
     print(f"mean return over {len(returns)} episodes: {np.mean(returns):.2f} ± {np.std(returns):.2f}")
 
 
-def record(run_dir: str, episodes: int, seed: int | None, extension: str) -> list[float]:
-    """Plays `episodes` episodes with the saved model and writes each to run_dir/videos/; returns their returns."""
-    recorder = Recorder(run_dir, seed)
+def record(run_dir: str, episodes: int, seed: int | None, extension: str, max_steps: int | None) -> list[float]:
+    """Plays `episodes` episodes with the saved model and writes each to run_dir/videos/; returns their returns (NaN
+    for an episode cut at max_steps)."""
+    recorder = Recorder(run_dir, seed, max_frames=max_steps and max_steps + 1)
     params = saved_params(run_dir, recorder.args.exp_name)
     returns = []
     for episode in range(episodes):
         frames, episode_return = recorder.episode(params)
-        name = f"eval-seed{recorder.args.seed}-episode{episode}-return{episode_return:g}.{extension}"
+        outcome = f"return{episode_return:g}" if np.isfinite(episode_return) else f"cut{len(frames) - 1}steps"
+        name = f"eval-seed{recorder.args.seed}-episode{episode}-{outcome}.{extension}"
         write_video(os.path.join(run_dir, "videos", name), frames)
         print(f"wrote {os.path.join(run_dir, 'videos', name)} ({len(frames)} frames)")
         returns.append(episode_return)

@@ -8,7 +8,8 @@ runs/<run_name>/videos/update-<U>.mp4 and logs it to the run's TensorBoard event
 at the checkpoint's global step; with --track, W&B's TensorBoard sync mirrors it. The recording is off the training
 path: it reads the checkpoints the run writes anyway, in a process of its own, so the batches, the fingerprints and
 the policy lag are those of the same run without it. It stops after the run's last checkpoint, or when the training
-process is gone. Checkpoints come every --checkpoint-interval updates or --checkpoint-minutes minutes.
+process is gone. Checkpoints come every --checkpoint-interval updates or --checkpoint-minutes minutes; one replaced
+by the next before this process got to it is skipped (the run never waits for the recording).
 """
 
 import io

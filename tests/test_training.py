@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import flax.serialization
+import imageio.v2 as imageio
 import numpy as np
 import pytest
 from helpers import (
@@ -170,3 +171,8 @@ def test_continuous_control_learns(tmp_path, algo):
     assert args["norm_obs"] is True and args["norm_reward"] is True, result.stdout  # the default, settled and recorded
     assert set(load_checkpoint(run_dir)["state"]["params"]) == {"torso", "actor", "critic", "obs_stats", "return_stats"}
     assert np.mean(evaluate(run_dir, 3)) >= 500
+    if algo == "ppo":  # MuJoCo records without a display (Mesa's EGL): a video cut after 20 steps, 21 frames
+        recorded = run_evaluate(run_dir, "--episodes", "1", "--video", "--max-steps", "20")
+        assert recorded.returncode == 0, recorded.stderr[-3000:]
+        (video,) = glob.glob(os.path.join(run_dir, "videos", "eval-seed1-episode0-cut20steps.mp4"))
+        assert sum(1 for _ in imageio.get_reader(video)) == 21  # (its reader's len() is infinite)

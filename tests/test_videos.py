@@ -44,17 +44,19 @@ def test_evaluate_records_playable_videos(sync_run, tmp_path):
 
 @pytest.mark.parametrize("algo", ["ppo"], indirect=True)
 def test_capture_video_logs_videos_and_changes_no_batch(sync_run, tmp_path):
-    """--capture-video: a video per checkpoint in videos/ and in TensorBoard (an animated GIF at the checkpoint's
-    global step), and every batch fingerprint and loss equal to those of the same run without it."""
+    """--capture-video: videos of the checkpoints in videos/ and in TensorBoard (an animated GIF at the checkpoint's
+    global step), the last one's always (the recorder skips a checkpoint replaced before it got to it), and every
+    batch fingerprint and loss equal to those of the same run without it."""
     check(run(tmp_path, *SYNC_FLAGS, "--capture-video", "--checkpoint-interval", 6, algo="ppo"))
     captured = finished_run(tmp_path)
     assert [r["fingerprint"] for r in captured.records] == [r["fingerprint"] for r in sync_run.records]
     assert [r["losses"] for r in captured.records] == [r["losses"] for r in sync_run.records]
-    assert sorted(os.listdir(os.path.join(captured.path, "videos"))) == ["update-12.mp4", "update-6.mp4"]
+    videos = sorted(os.listdir(os.path.join(captured.path, "videos")))
+    assert "update-12.mp4" in videos and set(videos) <= {"update-6.mp4", "update-12.mp4"}, videos
     events = event_accumulator.EventAccumulator(captured.path, size_guidance={event_accumulator.IMAGES: 0})
     events.Reload()
     images = events.Images("videos/agent")
     batch_size = captured.config["layout"]["batch_size"]
-    assert [image.step for image in images] == [6 * batch_size, 12 * batch_size]
+    assert [image.step // batch_size for image in images] == sorted(int(v[7:-4]) for v in videos)
     assert all(image.encoded_image_string.startswith(b"GIF89a") for image in images)
-    assert [(image.width, image.height) for image in images] == [(600, 400)] * 2
+    assert all((image.width, image.height) == (600, 400) for image in images)
