@@ -250,6 +250,8 @@ def make_networks(args: Args, spec) -> Networks:
             raise ConfigError(f"--env-id {args.env_id}: the networks encode {what}, not {part}")
     if not hasattr(spec.action_space, "n"):
         raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
+    if getattr(spec.config, "max_num_players", 1) > 1:
+        raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
     if len(space.shape or ()) == 3:
         torso = ResNet(q_network=True)
     else:
@@ -677,7 +679,7 @@ def check_args(args: Args):
     if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
         raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
     try:  # EnvPool imports a family's module when it makes its first spec (Procgen needs the Qt 5 runtime)
-        spec = envpool.make_spec(args.env_id)
+        spec = envpool.make_spec(args.env_id, **env_options(args))
     except (ImportError, RuntimeError) as error:
         raise ConfigError(
             f"--env-id {args.env_id}: EnvPool cannot make it here: {str(error).splitlines()[0]}"
@@ -725,8 +727,10 @@ def check_capture_video(args: Args):
     """--capture-video needs cleanba/record.py beside the script, and for MuJoCo an OpenGL library (EGL's)."""
     if not os.path.exists(RECORDER):
         raise ConfigError(f"--capture-video starts {RECORDER}, which does not exist")
-    mujoco = envpool.registration.registry.specs[args.env_id][0].startswith("envpool.mujoco")
-    if mujoco and not ctypes.util.find_library("EGL"):
+    family = envpool.registration.registry.specs[args.env_id][0]
+    if family not in ("envpool.classic_control", "envpool.atari", "envpool.minigrid", "envpool.mujoco.gym"):
+        raise ConfigError(f"--capture-video records classic control, Atari, MiniGrid and MuJoCo, not {family} ids")
+    if family.startswith("envpool.mujoco") and not ctypes.util.find_library("EGL"):
         install = "install Debian's libegl1 and libegl-mesa0 (bash setup.sh does, as root)"
         raise ConfigError(f"--capture-video: MuJoCo ({args.env_id}) renders through EGL, not found here: {install}")
 
@@ -797,8 +801,9 @@ def read_checkpoint(path: str, run_name: str) -> dict:
     try:
         with open(path, "rb") as f:
             checkpoint = flax.serialization.msgpack_restore(f.read())
-        if not {"state", "update", "config"} <= set(checkpoint):
+        if not {"state", "update", "config"} <= set(checkpoint) or not isinstance(checkpoint["state"], dict):
             raise ValueError("not a Cleanba checkpoint")
+        json.loads(checkpoint["config"])
     except Exception as error:
         raise ConfigError(f"--run-name {run_name}: {path} cannot be read ({error}); {RESUME_WAYS_OUT}") from None
     return checkpoint
@@ -810,14 +815,12 @@ def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: st
     start_update = 0
     if checkpoint:
         path = f"runs/{run_name}/checkpoint.msgpack"
-        refusal = f"--run-name {run_name}: {path} holds other networks or optimiser state; {RESUME_WAYS_OUT}"
-        try:
-            restored = flax.serialization.from_state_dict(state, checkpoint["state"])
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(refusal) from None
-        if [np.shape(x) for x in jax.tree.leaves(restored)] != [np.shape(x) for x in jax.tree.leaves(state)]:
-            raise ConfigError(refusal)
-        state = restored
+        saved = flax.traverse_util.flatten_dict(checkpoint["state"])
+        fresh = flax.traverse_util.flatten_dict(flax.serialization.to_state_dict(state))
+        if saved.keys() != fresh.keys() or any(np.shape(saved[k]) != np.shape(fresh[k]) for k in fresh):
+            refusal = f"{path} holds other networks or optimiser state; {RESUME_WAYS_OUT}"
+            raise ConfigError(f"--run-name {run_name}: {refusal}")
+        state = flax.serialization.from_state_dict(state, checkpoint["state"])
         start_update = checkpoint["update"]
     if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
         state, start_update = jax.device_get(multihost_utils.broadcast_one_to_all((state, start_update)))
@@ -969,8 +972,9 @@ class RunDir:
         self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
         self.updates.writelines(kept)
         if args.capture_video:  # a process of its own records the checkpoints: the training path stays as it is
-            # close_fds=False lets Python spawn it without a fork (JAX warns of forks of its threads)
-            self.recorder = subprocess.Popen([sys.executable, RECORDER, self.path], close_fds=False)
+            command = [sys.executable, RECORDER, self.path, str(os.getpid())]
+            on_cpu = dict(os.environ, JAX_PLATFORMS="cpu")  # it steps one env: a GPU's memory stays the learner's
+            self.recorder = subprocess.Popen(command, env=on_cpu, stdin=subprocess.DEVNULL)
         batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
         print(f"run {run_name}: {args.env_id}, {batch}; layout {layout}, actor threads: {args.num_actor_threads}")
         used = {*cfg.actor_devices, *cfg.local_learner_devices}  # the platform, so that a CPU run is never a surprise
@@ -1061,7 +1065,11 @@ class RunDir:
         if self.recorder and not finished:
             self.recorder.terminate()
         if self.recorder:
-            self.recorder.wait()  # a finished run's last checkpoint recorded (then W&B syncs it)
+            try:
+                self.recorder.wait(timeout=600)  # a finished run's last checkpoint recorded (then W&B syncs it)
+            except subprocess.TimeoutExpired:
+                self.recorder.kill()
+                print("--capture-video: the recorder took over 10 minutes on the last checkpoint; stopped it")
         if self.active:
             self.writer.close()
             self.updates.close()

@@ -131,8 +131,12 @@ class Recorder:
             self.frames.append(self.envs.render()[0])
             if batch["dones"][0, 0]:
                 return self.frames, float(batch["episode_returns"][0, 0])
-            if self.max_frames and len(self.frames) >= self.max_frames:
-                return self.frames, float("nan")
+            if self.max_frames and len(self.frames) >= self.max_frames:  # cut: the next episode starts afresh
+                frames = self.frames
+                step = int(jax.device_get(self.env.step))
+                self.env = self.script.first_state(self.envs, self.env.handle, step, core_size=self.args.lstm_size)
+                self.frames = [self.envs.render()[0]]
+                return frames, float("nan")
 
 
 def write_video(path: str, frames: list[np.ndarray]):
@@ -180,9 +184,12 @@ def main():
         returns = evaluate(args.run_dir, args.episodes, args.seed)
     with SummaryWriter(args.run_dir) as writer:
         for episode, episode_return in enumerate(returns):
-            writer.add_scalar("eval/episodic_return", episode_return, episode)
+            if np.isfinite(episode_return):  # an episode cut by --max-steps has no return
+                writer.add_scalar("eval/episodic_return", episode_return, episode)
             print(f"eval episode {episode}: return {episode_return}")
-    print(f"mean return over {len(returns)} episodes: {np.mean(returns):.2f} ± {np.std(returns):.2f}")
+    finished = [r for r in returns if np.isfinite(r)]
+    if finished:
+        print(f"mean return over {len(finished)} episodes: {np.mean(finished):.2f} ± {np.std(finished):.2f}")
 
 
 def record(run_dir: str, episodes: int, seed: int | None, extension: str, max_steps: int | None) -> list[float]:

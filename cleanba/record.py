@@ -1,6 +1,6 @@
 """Records the agent of a run while it trains: the training scripts' --capture-video starts it beside them.
 
-    python cleanba/record.py runs/<run_name>
+    python cleanba/record.py runs/<run_name> TRAINING_PID
 
 Each time the run writes a checkpoint, this process plays one episode with the checkpoint's parameters (on an
 environment no training environment is, with the actors' own rollout program: see cleanba/evaluate.py), writes it to
@@ -8,13 +8,15 @@ runs/<run_name>/videos/update-<U>.mp4 and logs it to the run's TensorBoard event
 at the checkpoint's global step; with --track, W&B's TensorBoard sync mirrors it. The recording is off the training
 path: it reads the checkpoints the run writes anyway, in a process of its own, so the batches, the fingerprints and
 the policy lag are those of the same run without it. It stops after the run's last checkpoint, or when the training
-process is gone. Checkpoints come every --checkpoint-interval updates or --checkpoint-minutes minutes; one replaced
-by the next before this process got to it is skipped (the run never waits for the recording).
+process (TRAINING_PID) is gone; it ignores Ctrl-C (the training process stops it). Checkpoints come every
+--checkpoint-interval updates or --checkpoint-minutes minutes; one replaced by the next before this process got to it
+is skipped (the run never waits for the recording).
 """
 
 import io
 import json
 import os
+import signal
 import sys
 import time
 
@@ -37,17 +39,19 @@ def log_video(writer: FileWriter, tag: str, frames: list, step: int):
     writer.flush()
 
 
-def main(run_dir: str):
-    parent = os.getppid()
+def main(run_dir: str, parent: int):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the training process, which stops this one
     with open(os.path.join(run_dir, "config.json")) as f:
         layout = json.load(f)["layout"]
     path = os.path.join(run_dir, "checkpoint.msgpack")
     writer = FileWriter(run_dir, filename_suffix=".videos")
     recorder = None
-    recorded = None  # the modification time of the last checkpoint recorded
+    recorded = None  # the inode and modification time of the last checkpoint recorded (each one is a new file)
     while True:
         training = os.getppid() == parent
-        modified = os.path.getmtime(path) if os.path.exists(path) else None
+        modified = None
+        if os.path.exists(path):
+            modified = (os.stat(path).st_ino, os.stat(path).st_mtime_ns)
         if modified is None or modified == recorded:
             if not training:
                 return
@@ -67,7 +71,9 @@ def main(run_dir: str):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or not os.path.isfile(os.path.join(sys.argv[1], "config.json")):
-        print("usage: python cleanba/record.py RUN_DIR (a run directory with config.json)", file=sys.stderr)
+    if len(sys.argv) != 3 or not os.path.isfile(os.path.join(sys.argv[1], "config.json")):
+        print(
+            "usage: python cleanba/record.py RUN_DIR TRAINING_PID (a run directory with config.json)", file=sys.stderr
+        )
         sys.exit(2)
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

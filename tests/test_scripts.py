@@ -161,18 +161,23 @@ BAD_INPUT = [
     (["--env-id", "BigfishEasy-v0"], "--env-id"),  # Procgen: EnvPool needs the Qt 5 runtime, not installed here
     (["--env-id", "Snake-v1"], "--env-id"),  # Jumanji: a grid of floats in a dict, not MiniGrid's cell ids
     (["--env-id", "CarRacing-v3"], "--env-id"),  # frames with their channels last: the ResNet would misread them
-    (["--env-id", "Go9x9-v1"], "--env-id"),  # planes of a board, channels last
+    (["--env-id", "Go9x9-v1"], "--env-id"),  # a game of two players
+    (["--env-id", "D1Basic-v1"], "--env-id"),  # ViZDoom: a vector of button values without bounds
 ]
 NORM_OBS_ON_A_DICT = (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs")
+# Continuous actions normalise observations by default: a dict of them (DMC's) needs --norm-obs False.
+NORM_OBS_BY_DEFAULT_ON_A_DICT = (["--env-id", "CheetahRun-v1"], "--norm-obs")
 ALGO_BAD_INPUT = {
     "ppo": [
         (["--num-steps", 10, "--num-minibatches", 3], "--num-minibatches"),
         (["--update-epochs", 0], "--update-epochs"),
         NORM_OBS_ON_A_DICT,
+        NORM_OBS_BY_DEFAULT_ON_A_DICT,
     ],
     "impala": [
         (["--local-num-envs", 6, "--num-actor-threads", 1, "--num-minibatches", 4], "--num-minibatches"),
         NORM_OBS_ON_A_DICT,
+        NORM_OBS_BY_DEFAULT_ON_A_DICT,
     ],
     "pqn": [
         (["--env-id", "HalfCheetah-v4"], "--env-id"),  # continuous actions: no arg max
