@@ -52,6 +52,7 @@ launch() { $PYTHON cleanba/launch.py "$@"; }
 # 0.05: at 0.05 one Acrobot seed of three ended at -100.7, at 0.01 all at -84 to -92 (see the README's results).
 # IMPALA on CartPole: gradient norms clipped at 10 (not Atari's 40) and V-trace's lambda 0.95, which stop
 # the value-loss spikes that made it lose the task after solving it (see the README's results).
+# --8<-- [start:classic_control]
 classic_control() {
   local status=0
   launch --env-ids CartPole-v1 Acrobot-v1 --seeds $SEEDS --workers 2 --log-dir launch_logs/ppo_classic "$@" -- \
@@ -66,9 +67,11 @@ classic_control() {
     --log-frequency 10 || status=1
   return $status
 }
+# --8<-- [end:classic_control]
 # PPO as CleanRL's ppo_continuous_action.py (8 envs x 256 steps, 32 minibatches, 10 epochs, Adam 3e-4, no entropy
 # bonus; observations and rewards normalised by default for continuous actions). IMPALA: 16 envs x 32 steps,
 # 16 minibatches (one environment's unroll each), RMSProp 6e-4 with eps 1e-5 and gradient norms clipped at 0.5.
+# --8<-- [start:mujoco]
 mujoco() {
   local status=0
   launch --env-ids HalfCheetah-v4 Hopper-v4 Walker2d-v4 --seeds $SEEDS --workers 2 --log-dir launch_logs/ppo_mujoco "$@" -- \
@@ -81,9 +84,11 @@ mujoco() {
     --total-timesteps 1000000 --log-frequency 50 || status=1
   return $status
 }
+# --8<-- [end:mujoco]
 
 # MiniGrid (dict observations): PPO with 2 x 8 envs x 128 steps, 4 minibatches of whole 32-step chunks when recurrent.
 # MemoryS7 twice, the same settings but the memory: the cue is seen at the start, the choice made at the end.
+# --8<-- [start:minigrid]
 minigrid() {
   local status=0 ppo="$PYTHON cleanba/cleanba_ppo.py --local-num-envs 8 --num-actor-threads 2 --learning-rate 1e-3
     --log-frequency 10"
@@ -95,8 +100,10 @@ minigrid() {
     $ppo --exp-name ppo --total-timesteps 500000 || status=1
   return $status
 }
+# --8<-- [end:minigrid]
 # MemoryS11: the same settings as MemoryS7's. The cue (x = 1) is 8 cells from the split (x = 9), beyond the 7x7
 # view, so a feed-forward policy can only guess; the agent sees it at the start only if it starts at x = 1 (1 in 8).
+# --8<-- [start:minigrid_memory]
 minigrid_memory() {
   local status=0 lstm ppo="$PYTHON cleanba/cleanba_ppo.py --local-num-envs 8 --num-actor-threads 2 --learning-rate 1e-3
     --log-frequency 10 --total-timesteps 3000000"
@@ -109,6 +116,7 @@ minigrid_memory() {
   wait $lstm || status=1
   return $status
 }
+# --8<-- [end:minigrid_memory]
 
 grid=${1:-}
 shift || true
@@ -126,6 +134,7 @@ case "$grid" in
     classic_control "$@" || status=1
     mujoco "$@" || status=1
     exit $status ;;
+  # --8<-- [start:atari]
   ppo-atari57)
     launch --slurm --job-name ppo --log-dir launch_logs/ppo --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_a0_l0_d1 --track ;;
@@ -154,6 +163,7 @@ case "$grid" in
   pqn-atari57)
     launch --slurm --job-name pqn --log-dir launch_logs/pqn --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_pqn.py --exp-name cleanba_pqn_a0_l0_d1 --track ;;
+  # --8<-- [end:atari]
   gpu-throughput)
     mkdir -p results
     $PYTHON tests/benchmarks/throughput.py --configs atari --out results/gpu_throughput.json "$@" ;;
