@@ -10,9 +10,11 @@ Runs are grouped by method (the run's --exp-name) and environment. Written to --
 - games.md / games.csv: per method and environment, the final score's mean +- std over seeds, its steps and
   wall-clock time, and the published reference score of the same algorithm where there is one (PUBLISHED below)
 - aggregates.md / aggregates.csv, aggregates.png: per method, median, mean and IQM of the HNS over its Atari
-  games with 95% stratified-bootstrap confidence intervals (Agarwal et al., 2021, "Deep RL at the Edge of the
-  Statistical Precipice"). Only normalised scores are aggregated: raw returns of different games are not on
-  one scale, so other environments are reported game by game and left out of the aggregates.
+  games with 95% stratified-bootstrap confidence intervals, computed and plotted by rliable (Agarwal et al., 2021,
+  "Deep RL at the Edge of the Statistical Precipice"). Only normalised scores are aggregated: raw returns of
+  different games are not on one scale, so other environments are reported game by game and left out.
+- profiles.png (--no-profiles: none): rliable's performance profiles of the HNS, per method, with 95% intervals.
+  rliable needs as many runs of every game: a game with more seeds than a method's fewest is cut to that many.
 - curves_<env>.png: mean +- 95% CI over seeds against environment steps and against wall-clock time
 
 Partial grids (missing seeds or games, unfinished runs) are reported as they are. A tool: the training
@@ -124,36 +126,50 @@ def human_normalized(env_id: str, score: float) -> float | None:
     return (score - random_score) / (human_score - random_score)
 
 
+AGGREGATES = ("median", "iqm", "mean")
+
+
+def score_matrix(scores_by_game: dict[str, list[float]]) -> np.ndarray:
+    """rliable's layout, (runs, games). Its stratified bootstrap needs as many runs of every game: a game with more
+    seeds than the fewest keeps its first ones (main says when it drops any)."""
+    runs = min(len(scores) for scores in scores_by_game.values())
+    return np.array([list(scores)[:runs] for scores in scores_by_game.values()], dtype=float).T
+
+
+def aggregate_metrics(matrix: np.ndarray) -> np.ndarray:
+    """Median and mean over games of the per-game mean score, IQM over all (run, game) scores: rliable's metrics."""
+    from rliable import metrics
+
+    return np.array([metrics.aggregate_median(matrix), metrics.aggregate_iqm(matrix), metrics.aggregate_mean(matrix)])
+
+
 def interquartile_mean(scores) -> float:
     """Mean of the middle 50% of the scores (the lowest and highest 25% dropped, rounded down)."""
-    scores = np.sort(np.asarray(scores, dtype=float))
-    cut = int(len(scores) * 0.25)
-    return float(np.mean(scores[cut : len(scores) - cut]))
+    from rliable import metrics
+
+    return float(metrics.aggregate_iqm(np.asarray(scores, dtype=float)))
 
 
 def aggregates(scores_by_game: dict[str, list[float]]) -> dict[str, float]:
-    """Median and mean over games of the per-game mean score; IQM over all (game, seed) scores."""
-    game_means = [np.mean(scores) for scores in scores_by_game.values()]
-    every_score = [s for scores in scores_by_game.values() for s in scores]
-    return dict(
-        median=float(np.median(game_means)), mean=float(np.mean(game_means)), iqm=interquartile_mean(every_score)
-    )
+    """{median, iqm, mean} of the scores, game by game (see aggregate_metrics)."""
+    values = aggregate_metrics(score_matrix(scores_by_game))
+    return {name: float(value) for name, value in zip(AGGREGATES, values, strict=True)}
 
 
 def stratified_bootstrap(scores_by_game: dict[str, list[float]], repetitions=2000, confidence=0.95, seed=0):
-    """{aggregate: (low, high)}: percentile intervals over resamples that redraw the seeds of each game
+    """{aggregate: (low, high)}: rliable's percentile intervals over resamples that redraw the runs of each game
     with replacement, game by game (the strata), so every resample keeps every game."""
-    rng = np.random.default_rng(seed)
-    samples = defaultdict(list)
-    for _ in range(repetitions):
-        resample = {game: list(rng.choice(scores, size=len(scores))) for game, scores in scores_by_game.items()}
-        for name, value in aggregates(resample).items():
-            samples[name].append(value)
-    tail = 100 * (1 - confidence) / 2
-    return {
-        name: (float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail)))
-        for name, values in samples.items()
-    }
+    from rliable import library
+
+    _, intervals = library.get_interval_estimates(
+        {"scores": score_matrix(scores_by_game)},
+        aggregate_metrics,
+        reps=repetitions,
+        confidence_interval_size=confidence,
+        random_state=np.random.RandomState(seed),
+    )
+    low, high = intervals["scores"]
+    return {name: (float(low[i]), float(high[i])) for i, name in enumerate(AGGREGATES)}
 
 
 def load_runs(directories: list[str]) -> list[dict]:
@@ -224,23 +240,50 @@ def plot_curves(runs: list[dict], env_id: str, path: str):
 
 
 def plot_aggregates(summary: dict, path: str, label: str):
+    """rliable's interval plot: per method, each aggregate's point estimate and 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from rliable import plot_utils
 
-    methods = sorted(summary)
-    fig, axes = plt.subplots(1, 3, figsize=(11, 1 + 0.5 * len(methods)), sharey=True)
-    for axis, name in zip(axes, ["median", "iqm", "mean"], strict=True):
-        for row, method in enumerate(methods):
-            point, (low, high) = summary[method]["point"][name], summary[method]["interval"][name]
-            axis.barh(row, high - low, left=low, height=0.6, alpha=0.5)
-            axis.plot([point, point], [row - 0.3, row + 0.3], color="black")
-        axis.set_title(f"{name.upper() if name == 'iqm' else name.capitalize()} {label}")
-        axis.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(range(len(methods)), methods)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    points = {method: np.array([s["point"][name] for name in AGGREGATES]) for method, s in summary.items()}
+    intervals = {method: np.array([s["interval"][name] for name in AGGREGATES]).T for method, s in summary.items()}
+    fig, _ = plot_utils.plot_interval_estimates(
+        points,
+        intervals,
+        metric_names=["Median", "IQM", "Mean"],
+        algorithms=sorted(summary),
+        xlabel=label,
+        row_height=0.6,
+        xlabel_y_coordinate=-0.45 / (0.6 * len(summary)),  # 0.45 inch below the axes, below the tick labels
+    )
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_profiles(by_method: dict, path: str, label: str, repetitions: int):
+    """rliable's performance profiles: the fraction of runs scoring above tau, for every tau, with 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rliable import library, plot_utils
+
+    matrices = {method: score_matrix(scores) for method, scores in sorted(by_method.items())}
+    top = max(float(np.max(matrix)) for matrix in matrices.values())
+    thresholds = np.linspace(0.0, max(top, 1e-9), 81)
+    profiles, intervals = library.create_performance_profile(matrices, thresholds, reps=repetitions)
+    fig, axis = plt.subplots(figsize=(7, 4.5))
+    plot_utils.plot_performance_profiles(
+        profiles,
+        thresholds,
+        performance_profile_cis=intervals,
+        xlabel=f"{label} (τ)",
+        ax=axis,
+    )
+    axis.legend(loc="upper right")  # the lines are labelled with the methods
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -259,6 +302,9 @@ def main():
     parser.add_argument("--out", default="results", help="output directory")
     parser.add_argument("--last-fraction", type=float, default=0.1, help="final score: mean of the last logged points")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    parser.add_argument(
+        "--profiles", action=argparse.BooleanOptionalAction, default=True, help="performance profiles (profiles.png)"
+    )
     args = parser.parse_args()
     if not 0 < args.last_fraction <= 1 or args.bootstrap <= 0:
         print("error: --last-fraction must lie in (0, 1] and --bootstrap be positive", file=sys.stderr)
@@ -313,6 +359,10 @@ def main():
         print(f.read())
     if not by_method:
         return print(f"{len(runs)} runs, no Atari game to aggregate over; tables and plots in {args.out}/")
+    for method, scores in sorted(by_method.items()):
+        fewest = min(map(len, scores.values()))
+        if any(len(s) > fewest for s in scores.values()):  # rliable's bootstrap needs as many runs of every game
+            print(f"{method}: aggregates over the first {fewest} runs of each game (some games have more)")
     summary = {
         method: dict(point=aggregates(scores), interval=stratified_bootstrap(scores, args.bootstrap))
         for method, scores in sorted(by_method.items())
@@ -327,9 +377,11 @@ def main():
     write_table(
         os.path.join(args.out, "aggregates"),
         ["method", "games", "runs", *[f"{name} HNS [95% CI]" for name in ("median", "iqm", "mean")]],
-        [[m, len(by_method[m]), sum(map(len, by_method[m].values())), *cells(s)] for m, s in summary.items()],
+        [[m, len(by_method[m]), score_matrix(by_method[m]).size, *cells(s)] for m, s in summary.items()],
     )
-    plot_aggregates(summary, os.path.join(args.out, "aggregates.png"), "HNS")
+    plot_aggregates(summary, os.path.join(args.out, "aggregates.png"), "Human-normalised score")
+    if args.profiles:
+        plot_profiles(by_method, os.path.join(args.out, "profiles.png"), "Human-normalised score", args.bootstrap)
     with open(os.path.join(args.out, "aggregates.md")) as f:
         print(f.read())
     print(f"{len(runs)} runs, {len({r['env_id'] for r in runs})} environments; tables and plots in {args.out}/")
