@@ -13,7 +13,6 @@ thread that holds it: the same seed gives the same batches on 1 device or many.
 """
 
 import contextlib
-import ctypes.util
 import dataclasses
 import functools
 import hashlib
@@ -736,6 +735,22 @@ class ConfigError(ValueError):
     """Bad input: reported as one line and exit status 2, before anything is created."""
 
 
+@contextlib.contextmanager
+def refusing_bad_input():
+    """Bad input (ConfigError): one line naming the flag or file at fault, exit status 2, nothing written."""
+    try:
+        yield
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(Args)}
+RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
+# --capture-video's companion process (a tool beside the scripts, which never import it).
+RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
+
+
 def check_args(args: Args):
     """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
     positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
@@ -765,8 +780,10 @@ def check_args(args: Args):
             f"--env-id {args.env_id}: EnvPool cannot make it here: {str(error).splitlines()[0]}"
         ) from None
     networks = make_networks(args, spec)  # refuses what the networks cannot encode
-    if args.capture_video:
-        check_capture_video(args)
+    if args.capture_video:  # cleanba/record.py knows what it can render here
+        check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
+        if check.returncode:
+            raise ConfigError(f"--capture-video: {check.stderr.strip()}")
     # Continuous control (MuJoCo) normalises by default.
     if args.norm_obs is None:
         args.norm_obs = networks.continuous
@@ -807,32 +824,6 @@ def derive_config(args: Args) -> Config:
     )
 
 
-# --capture-video's companion process (a tool beside the scripts, which never import it).
-RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
-
-
-def check_capture_video(args: Args):
-    """--capture-video needs cleanba/record.py beside the script, and for MuJoCo an OpenGL library (EGL's)."""
-    if not os.path.exists(RECORDER):
-        raise ConfigError(f"--capture-video starts {RECORDER}, which does not exist")
-    family = envpool.registration.registry.specs[args.env_id][0]
-    if family not in ("envpool.classic_control", "envpool.atari", "envpool.minigrid", "envpool.mujoco.gym"):
-        raise ConfigError(f"--capture-video records classic control, Atari, MiniGrid and MuJoCo, not {family} ids")
-    if family.startswith("envpool.mujoco") and not ctypes.util.find_library("EGL"):
-        install = "install Debian's libegl1 and libegl-mesa0 (bash setup.sh does, as root)"
-        raise ConfigError(f"--capture-video: MuJoCo ({args.env_id}) renders through EGL, not found here: {install}")
-
-
-@contextlib.contextmanager
-def refusing_bad_input():
-    """Bad input (ConfigError): one line naming the flag or file at fault, exit status 2, nothing written."""
-    try:
-        yield
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
 def algorithm_config(args: Args, cfg: Config) -> dict:
     """What the run computes: the fields marked Algorithm, and the global number of environments (not its split)."""
     config = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if "algorithm" in f.type.__metadata__}
@@ -850,50 +841,40 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
             timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
             jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
         cfg = derive_config(args)
-        # The name's hash covers the values that differ from their defaults: a new field at its default renames nothing.
-        defaults = {f.name: f.default for f in dataclasses.fields(Args)}
         config = algorithm_config(args, cfg)
-        named = {k: v for k, v in config.items() if k not in defaults or v != defaults[k]}
+        # The name's hash covers the values that differ from their defaults: a new field at its default renames nothing.
+        named = {k: v for k, v in config.items() if k not in DEFAULTS or v != DEFAULTS[k]}
         digest = hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:8]
         run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
         path = f"runs/{run_name}/checkpoint.msgpack"
         checkpoint = None
         if args.resume and os.path.exists(path):
-            checkpoint = read_checkpoint(path, run_name)
-            if changed := changed_from(json.loads(checkpoint["config"]), config):
-                changed = f"a checkpoint of another configuration: {', '.join(changed)}"
-                raise ConfigError(f"--run-name {run_name} has {changed}; pass --no-resume to start it over")
+            checkpoint = read_checkpoint(path, run_name, config)
     if not args.resume and cfg.rank == 0 and os.path.exists(path):
         os.remove(path)  # starting over: a later resume must not find the old run
     return cfg, run_name, checkpoint
 
 
-def changed_from(saved: dict, current: dict) -> list[str]:
-    """The algorithm's values that differ from a checkpoint's; a field the checkpoint predates counts at its default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Args)}
-    changed = []
-    for name, value in current.items():
-        before = saved.get(name, defaults.get(name))
-        if before != value:
-            changed.append(f"{name} ({before!r}, now {value!r})")
-    for name in sorted(saved.keys() - current.keys()):
-        changed.append(f"{name} ({saved[name]!r}, now no such field)")
-    return changed
-
-
-RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
-
-
-def read_checkpoint(path: str, run_name: str) -> dict:
-    """The checkpoint's contents; a file cut short (an interrupted copy) or not a checkpoint is bad input."""
+def read_checkpoint(path: str, run_name: str, config: dict) -> dict:
+    """The checkpoint's contents; bad input if it is cut short (an interrupted copy), not a checkpoint, or of another
+    configuration (a field the checkpoint predates counts at its default)."""
     try:
         with open(path, "rb") as f:
             checkpoint = flax.serialization.msgpack_restore(f.read())
         if not {"state", "update", "config"} <= set(checkpoint) or not isinstance(checkpoint["state"], dict):
             raise ValueError("not a Cleanba checkpoint")
-        json.loads(checkpoint["config"])
+        saved = json.loads(checkpoint["config"])
     except Exception as error:
         raise ConfigError(f"--run-name {run_name}: {path} cannot be read ({error}); {RESUME_WAYS_OUT}") from None
+    changed = []
+    for name, value in config.items():
+        before = saved.get(name, DEFAULTS.get(name))
+        if before != value:
+            changed.append(f"{name} ({before!r}, now {value!r})")
+    changed += [f"{name} ({saved[name]!r}, now no such field)" for name in sorted(saved.keys() - config.keys())]
+    if changed:
+        changed = f"a checkpoint of another configuration: {', '.join(changed)}"
+        raise ConfigError(f"--run-name {run_name} has {changed}; pass --no-resume to start it over")
     return checkpoint
 
 
@@ -1025,11 +1006,11 @@ class RunDir:
         self.cfg = cfg
         self.schedule = schedule
         self.path = f"runs/{run_name}"
-        self.start_update = start_update
-        self.start_time = time.time()
         self.active = cfg.rank == 0
+        self.start_update = start_update
         self.last_checkpoint = start_update
-        self.last_checkpoint_time = time.time()
+        self.start_time = time.time()
+        self.last_checkpoint_time = self.start_time
         self.episodes = np.zeros(3)  # the count, return sum and length sum of the episodes since the last log line
         self.recent_losses = []  # each update's losses since the last log line
         self.wandb = None
@@ -1052,7 +1033,16 @@ class RunDir:
         self.writer = SummaryWriter(self.path, purge_step=purge_step)
         table = "".join(f"|{k}|{v}|\n" for k, v in vars(args).items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        layout = self.write_config()
+        # config.json: the arguments, the script, the layout in the a/l/d notation (actor, learner devices; processes)
+        actors = ",".join(map(str, args.actor_device_ids))
+        learners = ",".join(map(str, args.learner_device_ids))
+        notation = f"a{actors}-l{learners}-d{cfg.world_size}"
+        layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads)
+        layout.update(platform=jax.default_backend(), num_envs=cfg.num_envs, batch_size=cfg.batch_size)
+        layout.update(num_updates=cfg.num_updates)
+        config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
+        with open(f"{self.path}/config.json", "w") as f:
+            json.dump(config, f, indent=2)
         kept = []  # a resumed run keeps the lines of the updates it resumes after
         if start_update and os.path.exists(f"{self.path}/updates.jsonl"):
             with open(f"{self.path}/updates.jsonl") as f:
@@ -1064,29 +1054,12 @@ class RunDir:
             on_cpu = dict(os.environ, JAX_PLATFORMS="cpu")  # it steps one env: a GPU's memory stays the learner's
             self.recorder = subprocess.Popen(command, env=on_cpu, stdin=subprocess.DEVNULL)
         batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
-        print(f"run {run_name}: {args.env_id}, {batch}; layout {layout}, actor threads: {args.num_actor_threads}")
+        print(f"run {run_name}: {args.env_id}, {batch}; layout {notation}, actor threads: {args.num_actor_threads}")
         used = {*cfg.actor_devices, *cfg.local_learner_devices}  # the platform, so that a CPU run is never a surprise
         print(f"devices: {len(used)} {jax.default_backend()} ({', '.join(sorted({d.device_kind for d in used}))})")
         if start_update:
             resumed = f"after update {start_update} (global step {start_update * cfg.batch_size:,})"
             print(f"resuming from {self.path}/checkpoint.msgpack {resumed}; environments restart their episodes")
-
-    def write_config(self) -> str:
-        """config.json: the arguments, the script and the layout (in the a/l/d notation: actor and learner device ids,
-        processes); returns the notation."""
-        args = self.args
-        cfg = self.cfg
-        actors = ",".join(map(str, args.actor_device_ids))
-        learners = ",".join(map(str, args.learner_device_ids))
-        notation = f"a{actors}-l{learners}-d{cfg.world_size}"
-        layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads)
-        layout.update(actor_devices=[str(d) for d in cfg.actor_devices], platform=jax.default_backend())
-        layout.update(learner_devices=[str(d) for d in cfg.learner_devices], num_envs=cfg.num_envs)
-        layout.update(batch_size=cfg.batch_size, num_updates=cfg.num_updates)
-        config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
-        with open(f"{self.path}/config.json", "w") as f:
-            json.dump(config, f, indent=2)
-        return notation
 
     def report(self, **progress):  # --distributed: how far this process got, for cleanba/supervise.py
         if self.args.distributed:
@@ -1106,7 +1079,6 @@ class RunDir:
             return
         elapsed = time.time() - self.start_time
         sps = int((update - self.start_update) * self.cfg.batch_size / elapsed)
-        actor_timings = {k: np.mean([r.timings[k] for r in rollouts]) for k in rollouts[0].timings}
         learning_rate = self.schedule
         if callable(self.schedule):
             learning_rate = self.schedule(int(to_host(state.step)))
@@ -1117,16 +1089,18 @@ class RunDir:
         scalars.update({"stats/actor_policy_version": data_version, "stats/learner_policy_version": update})
         for name in record["losses"]:
             scalars[f"losses/{name}"] = np.mean([losses[name] for losses in self.recent_losses])
-        scalars.update({f"stats/{name}": seconds for name, seconds in {**actor_timings, **timings}.items()})
+        for name in rollouts[0].timings:  # the actor threads' mean
+            scalars[f"stats/{name}"] = np.mean([rollout.timings[name] for rollout in rollouts])
+        scalars.update({f"stats/{name}": seconds for name, seconds in timings.items()})
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         self.episodes = np.zeros(3)
         self.recent_losses = []
         eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
         recent = f"{returns / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
-        learner_wait = timings["rollout_queue_get_time"]
-        actor_wait = actor_timings.get("params_queue_get_time", 0)
-        waits = f"waits: learner {learner_wait:.2f}s, actors {actor_wait:.2f}s"  # the side that waits more is faster
+        # The side that waits more is the faster one.
+        actor_wait = scalars.get("stats/params_queue_get_time", 0)
+        waits = f"waits: learner {timings['rollout_queue_get_time']:.2f}s, actors {actor_wait:.2f}s"
         progress = f"update {update}/{self.cfg.num_updates} | step {step:,} | SPS {sps:,} | return {recent}"
         print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")
 
@@ -1152,12 +1126,10 @@ class RunDir:
     def close(self, finished: bool):
         if self.recorder and not finished:
             self.recorder.terminate()
-        if self.recorder:
-            try:
-                self.recorder.wait(timeout=600)  # a finished run's last checkpoint recorded (then W&B syncs it)
-            except subprocess.TimeoutExpired:
-                self.recorder.kill()
-                print("--capture-video: the recorder took over 10 minutes on the last checkpoint; stopped it")
+        if self.recorder:  # a finished run's last checkpoint gets recorded (then W&B syncs it), in 10 minutes at most
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.recorder.wait(timeout=600)
+            self.recorder.kill()
         if self.active:
             self.writer.close()
             self.updates.close()
@@ -1168,28 +1140,29 @@ class RunDir:
 def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: list, state: TrainState, update: int):
     """Stops every thread and exits: 1 after a failure (its traceback once), 128 + signal after a stop signal."""
     actors.stop.set()
-    if not actors.failures:  # first: the learner's state does not wait for the actors
+    failed = bool(actors.failures)
+    if not failed:  # first: the learner's state does not wait for the actors
         run_dir.checkpoint(state, update)
     actors.join(timeout=30)
     for name, trace in actors.failures:
         print(f"error in thread {name}:\n{trace}", file=sys.stderr)
-    preempted = not actors.failures and update < cfg.num_updates
+    preempted = not failed and update < cfg.num_updates
+    # The shell's convention for a process a signal stopped (SIGTERM when another process was).
+    signum = signals[0] if signals else signal.SIGTERM
     if preempted and cfg.rank == 0:
-        by = signal.Signals(signals[0]).name if signals else "another process"
+        by = signal.Signals(signum).name if signals else "another process"
         resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
         print(f"stopped by {by} after update {update} (global step {update * cfg.batch_size:,}); {resume}")
-    if cfg.rank == 0 and args.save_model and not actors.failures and not preempted:  # for cleanba/evaluate.py
+    if cfg.rank == 0 and args.save_model and not failed and not preempted:  # for cleanba/evaluate.py
         with open(path := f"{run_dir.path}/{args.exp_name}.cleanba_model", "wb") as f:
             f.write(flax.serialization.to_bytes(to_host(state.params)))  # normalisation statistics included
         print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_dir.path})")
-    run_dir.close(finished=not actors.failures and not preempted)
-    if actors.failures and args.distributed:
+    run_dir.close(finished=not failed and not preempted)
+    if failed and args.distributed:
         sys.stderr.flush()
         os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
-    if actors.failures:
-        sys.exit(1)
-    if preempted:  # the shell's convention for a process a signal stopped (SIGTERM when another process was)
-        sys.exit(128 + (signals[0] if signals else signal.SIGTERM))
+    if failed or preempted:
+        sys.exit(1 if failed else 128 + signum)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Records the agent of a run while it trains: the training scripts' --capture-video starts it beside them.
 
     python cleanba/record.py runs/<run_name> TRAINING_PID
+    python cleanba/record.py --check ENV_ID     # exit 2 and one line if ENV_ID cannot be recorded here
 
 Each time the run writes a checkpoint, this process plays one episode with the checkpoint's parameters (on an
 environment no training environment is, with the actors' own rollout program: see cleanba/evaluate.py), writes it to
@@ -22,7 +23,7 @@ import time
 
 import flax.serialization
 import imageio.v2 as imageio
-from evaluate import FRAMES_PER_SECOND, Recorder, on_actor_axis, write_video
+from evaluate import FRAMES_PER_SECOND, Recorder, on_actor_axis, render_refusal, write_video
 from tensorboardX import FileWriter
 from tensorboardX.proto.summary_pb2 import Summary
 
@@ -71,6 +72,11 @@ def main(run_dir: str, parent: int):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--check":  # the scripts' --capture-video asks before a run starts
+        refusal = render_refusal(sys.argv[2])
+        if refusal:
+            print(refusal, file=sys.stderr)
+        sys.exit(2 if refusal else 0)
     if len(sys.argv) != 3 or not os.path.isfile(os.path.join(sys.argv[1], "config.json")):
         print(
             "usage: python cleanba/record.py RUN_DIR TRAINING_PID (a run directory with config.json)", file=sys.stderr
