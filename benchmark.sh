@@ -11,6 +11,9 @@
 #   minigrid-memory          PPO on MiniGrid-MemoryS11-v0 (the smallest Memory room whose cue is out of view from the
 #                            split) with and without an LSTM (--lstm-size 64), 3M steps, 3 seeds: the recurrent and
 #                            the feed-forward seeds side by side, one worker each (~75 minutes on 2 CPU cores)
+#   memory                   CartPole-v1 with its velocities hidden (--mask-obs 1 3: a memory test), PPO (200k steps)
+#                            and IMPALA (500k), each with an LSTM (--lstm-size 64 --critic-core) and without, 3 seeds
+#                            (1 worker, ~8 minutes on a CPU core)
 #   results                  laptop, then mujoco: the README's results table. Then:
 #                            .venv/bin/python cleanba/aggregate.py runs --out results
 #   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
@@ -118,6 +121,31 @@ minigrid_memory() {
 }
 # --8<-- [end:minigrid_memory]
 
+# CartPole without its velocities (cart and pole positions only): a memoryless policy cannot balance it. PPO as SB3's
+# recurrent PPO on CartPoleNoVel (8 envs x 32 steps, 1 minibatch, 20 epochs, Adam 1e-3 annealed, gamma 0.98, lambda
+# 0.8, clip 0.2, no entropy bonus, observations and rewards normalised, an LSTM of 64 per tower); IMPALA with the
+# CartPole settings of the laptop grid and normalised observations. The feed-forward runs: the same without a core.
+# --8<-- [start:memory]
+memory() {
+  local status=0 ppo impala
+  ppo="$PYTHON cleanba/cleanba_ppo.py --mask-obs 1 3 --local-num-envs 8 --num-actor-threads 1 --num-steps 32
+    --num-minibatches 1 --update-epochs 20 --learning-rate 1e-3 --gamma 0.98 --gae-lambda 0.8 --clip-coef 0.2
+    --ent-coef 0 --norm-obs True --norm-reward True --total-timesteps 200000 --log-frequency 10"
+  impala="$PYTHON cleanba/cleanba_impala.py --mask-obs 1 3 --local-num-envs 16 --num-actor-threads 1
+    --learning-rate 1e-3 --max-grad-norm 10 --vtrace-lambda 0.95 --norm-obs True --total-timesteps 500000
+    --log-frequency 10"
+  launch --env-ids CartPole-v1 --seeds $SEEDS --workers 1 --log-dir launch_logs/memory "$@" -- \
+    $ppo --exp-name ppo_lstm_novel --lstm-size 64 --critic-core || status=1
+  launch --env-ids CartPole-v1 --seeds $SEEDS --workers 1 --log-dir launch_logs/memory "$@" -- \
+    $ppo --exp-name ppo_novel || status=1
+  launch --env-ids CartPole-v1 --seeds $SEEDS --workers 1 --log-dir launch_logs/memory "$@" -- \
+    $impala --exp-name impala_lstm_novel --lstm-size 64 --critic-core || status=1
+  launch --env-ids CartPole-v1 --seeds $SEEDS --workers 1 --log-dir launch_logs/memory "$@" -- \
+    $impala --exp-name impala_novel || status=1
+  return $status
+}
+# --8<-- [end:memory]
+
 grid=${1:-}
 shift || true
 case "$grid" in
@@ -129,6 +157,8 @@ case "$grid" in
     minigrid "$@" ;;
   minigrid-memory)
     minigrid_memory "$@" ;;
+  memory)
+    memory "$@" ;;
   results)
     status=0
     classic_control "$@" || status=1

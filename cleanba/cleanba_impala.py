@@ -87,6 +87,8 @@ class Args:
     gamma: Algorithm[float] = 0.99  # discount factor
     frame_stack: Algorithm[int] = 4  # Atari: frames per observation (EnvPool's stack_num); 1 hides motion (--lstm-size)
     lstm_size: Algorithm[int] = 0  # units of an LSTM core after the torso: a memory for partial observability; 0: none
+    critic_core: Algorithm[bool] = False  # --lstm-size: an LSTM of the value tower's own (else one of both towers)
+    mask_obs: Algorithm[list[int]] = dataclasses.field(default_factory=list)  # vector components hidden (zeroed)
     norm_obs: Algorithm[bool | None] = None  # normalise observations by running mean and std; None: if continuous
     norm_reward: Algorithm[bool | None] = None  # divide rewards by a discounted return's std; None: if continuous
     vtrace_lambda: Algorithm[float] = 1.0  # lambda of V-trace's truncated importance-weighted returns
@@ -99,6 +101,8 @@ class Args:
     rmsprop_eps: Algorithm[float] = 0.01  # RMSProp's epsilon (inside the square root, as TensorFlow's in the paper)
     rmsprop_decay: Algorithm[float] = 0.99  # RMSProp's decay of the squared-gradient average
     concurrency: Algorithm[bool] = True  # Cleanba's architecture (actors a version behind, overlapping the learner)
+    # Bit for bit the same run on any layout whose actor threads and learner devices hold whole groups (slower); 0: off.
+    layout_free_group_size: Algorithm[int] = 0  # envs per group computed with fixed shapes, sums added in a fixed order
     # The layout: where the run executes, never what it computes.
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
     learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # data-parallel learner
@@ -185,6 +189,7 @@ class MLP(nn.Module):
 
     discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
     q_network: bool = False  # PQN's tower (README, "PQN": tanh and 64 units fall short on CartPole)
+    masked: tuple = ()  # --mask-obs: components of a vector observation the agent does not see
 
     @nn.compact
     def __call__(self, obs):
@@ -210,24 +215,43 @@ class MLP(nn.Module):
             else:
                 features.append(x / 255.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32))
         x = jnp.concatenate(features, axis=-1)
+        if self.masked:  # a partially observed task (e.g. CartPole without its velocities: a memory test)
+            x = x.at[..., list(self.masked)].set(0.0)
         return (tower(x),) * 2 if self.q_network else (tower(x), tower(x))
 
 
 class LSTMCore(nn.Module):
-    """An LSTM over each env's sequence (time-major): its state (envs, 2, size) is zeroed after each flagged step."""
+    """The memory: LSTMs over each env's sequence (time-major) of the torso's towers, one LSTM over all of them or one
+    per tower; their state (envs, 2, width), cell and hidden, is zeroed after each flagged step."""
 
     size: int
+    cores: int = 1  # 2: the policy's and the value's towers each have their own (--critic-core)
+
+    @property
+    def width(self) -> int:  # each core's state side by side
+        return self.cores * self.size
 
     @nn.compact
-    def __call__(self, state, x, reset_after):
+    def __call__(self, state, towers: tuple, reset_after) -> tuple[tuple, jax.Array]:
         def step(cell, carry, inputs):
             x, reset = inputs
             carry, y = cell(carry, x)
             return jax.tree.map(lambda part: jnp.where(reset[:, None], 0.0, part), carry), y
 
         scan = nn.scan(step, variable_broadcast="params", split_rngs={"params": False})
-        (c, h), y = scan(nn.OptimizedLSTMCell(self.size), (state[:, 0], state[:, 1]), (x, reset_after))
-        return y, jnp.stack([c, h], axis=1)
+        inputs = towers
+        if self.cores == 1:
+            inputs = [jnp.concatenate(towers, axis=-1)]
+        outputs = []
+        states = []
+        for i, x in enumerate(inputs):
+            own = state[..., i * self.size : (i + 1) * self.size]
+            (c, h), y = scan(nn.OptimizedLSTMCell(self.size), (own[:, 0], own[:, 1]), (x, reset_after))
+            outputs.append(y)
+            states.append(jnp.stack([c, h], axis=1))
+        if self.cores == 1:  # one memory for every tower's head
+            outputs = outputs * len(towers)
+        return tuple(outputs), jnp.concatenate(states, axis=-1)
 
 
 class Categorical(NamedTuple):
@@ -294,7 +318,11 @@ def make_networks(args: Args, spec) -> Networks:
         if not (rank == 1 or discrete or frames or grid):
             what = "vectors, uint8 frames (channels first) and dicts of vectors, discrete values and uint8 grids"
             raise ConfigError(f"--env-id {args.env_id}: the networks encode {what}, not {part}")
-    torso = ResNet() if len(space.shape or ()) == 3 else MLP(discrete_sizes)
+    if args.mask_obs and len(space.shape or ()) != 1:
+        raise ConfigError(f"--mask-obs hides components of a vector observation, not of {space}")
+    if args.mask_obs and not all(0 <= i < space.shape[0] for i in args.mask_obs):
+        raise ConfigError(f"--mask-obs {args.mask_obs}: the observation's components are 0 to {space.shape[0] - 1}")
+    torso = ResNet() if len(space.shape or ()) == 3 else MLP(discrete_sizes, masked=tuple(args.mask_obs))
     if getattr(spec.config, "max_num_players", 1) > 1:
         raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
     actions = spec.action_space
@@ -305,7 +333,9 @@ def make_networks(args: Args, spec) -> Networks:
         raise ConfigError(
             f"--env-id {args.env_id}: the policy acts with discrete actions or a bounded vector, not {actions}"
         )
-    core = LSTMCore(args.lstm_size) if args.lstm_size else None
+    core = None
+    if args.lstm_size:  # --critic-core: the value tower's own memory, as in SB3's recurrent PPO
+        core = LSTMCore(args.lstm_size, cores=1 + args.critic_core)
     actor = Actor(spec.action_space.shape[0] if continuous else spec.action_space.n, continuous)
     critic = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))
     convolutional = any(len(part.shape or ()) == 3 for part in parts.values())
@@ -328,10 +358,11 @@ def forward(networks: Networks, params, obs, core_state, reset_after):
         return x.reshape(time, envs, *x.shape[1:])
 
     policy_hidden, value_hidden = networks.torso.apply(params["torso"], jax.tree.map(merge, obs))
-    if networks.core:  # one memory of both towers (the ResNet's two are one) for both heads
-        hidden = jnp.concatenate([policy_hidden, value_hidden], axis=-1)
-        hidden, core_state = networks.core.apply(params["core"], core_state, split(hidden), reset_after)
-        policy_hidden = value_hidden = merge(hidden)
+    if networks.core:  # the memory of both towers (the ResNet's two are one)
+        towers = (split(policy_hidden), split(value_hidden))
+        (policy_hidden, value_hidden), core_state = networks.core.apply(params["core"], core_state, towers, reset_after)
+        policy_hidden = merge(policy_hidden)
+        value_hidden = merge(value_hidden)
     dist = jax.tree.map(split, networks.actor.apply(params["actor"], policy_hidden))
     return dist, split(networks.critic.apply(params["critic"], value_hidden)[:, 0]), core_state
 
@@ -385,11 +416,11 @@ def env_step_op(envs, platform: str):
     return handle, env_step
 
 
-def first_state(envs, handle, step: int, core_size: int) -> EnvState:
+def first_state(envs, handle, step: int, networks: Networks) -> EnvState:
     """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on, their core's zero."""
     obs, _ = envs.reset()
     zeros = np.zeros(envs.config["num_envs"], np.float32)
-    core = np.zeros((len(zeros), 2, core_size), np.float32)
+    core = np.zeros((len(zeros), 2, networks.core.width if networks.core else 0), np.float32)
     return EnvState(handle, to_float32(obs), zeros > 0, zeros, zeros.astype(np.int32), zeros, np.int32(step), core)
 
 
@@ -437,6 +468,21 @@ def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
     return jax.jit(rollout) if platform == "cpu" else rollout
 
 
+def in_groups(group_size: int, f, *arrays):
+    """f(*arrays) on each group of `group_size` rows (axis 0) in turn, the outputs put back together: each group is
+    computed with the same shapes whatever the number of rows, so it rounds the same (--layout-free-group-size)."""
+    if not group_size:
+        return f(*arrays)
+
+    def split(x):  # (rows, ...) -> (groups, group_size, ...)
+        return x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
+
+    def merge(x):  # (groups, group_size, ...) -> (rows, ...)
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    return jax.tree.map(merge, jax.lax.map(lambda group: f(*group), jax.tree.map(split, arrays)))
+
+
 def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, platform: str):
     """(EnvPool's handle, the actor's rollout) for the pool `envs`, whose global indices are `env_ids`."""
     action_key = jax.random.fold_in(jax.random.key(args.seed), ACTIONS)
@@ -444,16 +490,20 @@ def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, plat
     space = envs.action_space
 
     def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy, the next core state)
-        obs = jax.tree.map(lambda x: x[None], env.obs)  # a sequence of one step
-        dist, _, core = forward(networks, params, obs, env.core, env.done[None])
-        dist = jax.tree.map(lambda x: x[0], dist)
         # One key per (environment, step): the sampled actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, env.step)
-        action = jax.vmap(lambda dist, g: dist.sample(jax.random.fold_in(step_key, g)))(dist, env_ids)
-        # The behaviour policy's log-probabilities: V-trace's importance ratios are against them.
-        policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0], core_states=env.core)
-        # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
-        return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy, core
+
+        def act_on(obs, core, done, ids):  # a group of envs
+            obs = jax.tree.map(lambda x: x[None], obs)  # a sequence of one step
+            dist, _, next_core = forward(networks, params, obs, core, done[None])
+            dist = jax.tree.map(lambda x: x[0], dist)
+            action = jax.vmap(lambda dist, g: dist.sample(jax.random.fold_in(step_key, g)))(dist, ids)
+            # The behaviour policy's log-probabilities: V-trace's importance ratios are against them.
+            policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0], core_states=core)
+            # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
+            return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy, next_core
+
+        return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env_ids)
 
     def bootstrap(params, env: EnvState, batch):  # num_steps + 1 observations: the learner bootstraps from the last one
         return {**batch, "obs": jax.tree.map(lambda x, last: jnp.concatenate([x, last[None]]), batch["obs"], env.obs)}
@@ -502,7 +552,7 @@ class Actors:
         threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
         envs = make_env(args, num_envs, int(env_ids[0]), **threads)
         handle, rollout = make_rollout(args, self.networks, envs, env_ids, device.platform)
-        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, args.lstm_size), device)
+        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, self.networks), device)
         for update in range(self.start_update + 1, self.cfg.num_updates + 1):
             timings = {}
             # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
@@ -537,35 +587,62 @@ class Actors:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The learner: targets, loss and update
-def running_stats(stats: dict, x, valid):
+def global_sum(group_size: int, f, *arrays):
+    """The sum over all learner devices of f(*arrays), a sum over envs (axis 1, time-major). By default psum adds each
+    device's f; with --layout-free-group-size, f runs on each group of envs in turn, and the groups' sums are gathered
+    and added in global env order: the same float operations on any layout whose devices hold whole groups."""
+    if not group_size:
+        return jax.lax.psum(f(*arrays), "devices")
+
+    def split(x):  # (T, envs, ...) -> (groups, T, group_size, ...)
+        return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // group_size, group_size, *x.shape[2:]), 1, 0)
+
+    sums = jax.lax.map(lambda group: f(*group), jax.tree.map(split, arrays))
+    return jax.tree.map(lambda x: jnp.sum(jax.lax.all_gather(x, "devices", tiled=True), axis=0), sums)
+
+
+def running_stats(stats: dict, x, valid, group_size: int):
     """Running mean and variance (Chan et al.) updated with the valid x (T, envs, ...) of all envs: layout-free."""
     valid = valid.reshape(valid.shape + (1,) * (x.ndim - 2)).astype(jnp.float32)
-    count = jax.lax.psum(jnp.sum(valid), "devices")
-    mean = jax.lax.psum(jnp.sum(x * valid, axis=(0, 1)), "devices") / count
-    var = jax.lax.psum(jnp.sum(jnp.square(x - mean) * valid, axis=(0, 1)), "devices") / count
+    count = jax.lax.psum(jnp.sum(valid), "devices")  # a count: exact in any order
+
+    def total(x, valid):
+        return jnp.sum(x * valid, axis=(0, 1))
+
+    def squares(x, valid):
+        return jnp.sum(jnp.square(x - mean) * valid, axis=(0, 1))
+
+    mean = global_sum(group_size, total, x, valid) / count
+    var = global_sum(group_size, squares, x, valid) / count
     delta = mean - stats["mean"]
     total = stats["count"] + count
     m2 = stats["var"] * stats["count"] + var * count + jnp.square(delta) * stats["count"] * count / total
     return dict(mean=stats["mean"] + delta * count / total, var=m2 / total, count=total)
 
 
-def normalisation(params: dict, batch: dict):
+def normalisation(params: dict, batch: dict, group_size: int):
     """(Rewards, with --norm-reward / std of a discounted return clipped to +-10; the statistics after this batch)"""
     rewards = batch["rewards"]
     stats = {}
     if "return_stats" in params:
-        stats["return_stats"] = running_stats(params["return_stats"], batch["discounted_returns"], batch["valid"])
+        returns = batch["discounted_returns"]
+        stats["return_stats"] = running_stats(params["return_stats"], returns, batch["valid"], group_size)
         rewards = jnp.clip(rewards / jnp.sqrt(stats["return_stats"]["var"] + 1e-8), -10.0, 10.0)
     if "obs_stats" in params:  # the observations acted on (not the final ones, which the reset steps hold)
-        stats["obs_stats"] = running_stats(params["obs_stats"], batch["obs"][: batch["valid"].shape[0]], batch["valid"])
+        obs = batch["obs"][: batch["valid"].shape[0]]
+        stats["obs_stats"] = running_stats(params["obs_stats"], obs, batch["valid"], group_size)
     return rewards, stats
 
 
-def episode_sums(batch):
+def episode_sums(batch, group_size: int):
     """Count, return sum and length sum of the episodes that ended in the batch, over all devices and processes."""
-    ended = batch["dones"].astype(jnp.float32) * batch["valid"]
-    sums = [jnp.sum(x * ended) for x in (1.0, batch["episode_returns"], batch["episode_lengths"])]
-    return jax.lax.psum(jnp.stack(sums), "devices")
+
+    def sums(dones, valid, returns, lengths):
+        ended = dones.astype(jnp.float32) * valid
+        return jnp.stack([jnp.sum(x * ended) for x in (1.0, returns, lengths)])
+
+    ended = [batch[name] for name in ("dones", "valid", "episode_returns", "episode_lengths")]
+    return global_sum(group_size, sums, *ended)
 
 
 def vtrace_targets(args: Args, values, rewards, terminations, valid, rhos):
@@ -588,6 +665,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     (V-trace needs whole unrolls): a permutation seeded by (seed, update, group) sends one env of each group of M
     consecutive envs to each minibatch, whatever device holds it (a device holds whole groups); means are global."""
     M = args.num_minibatches
+    G = args.layout_free_group_size
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
@@ -613,7 +691,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         pg_loss = -new_logprobs * jax.lax.stop_gradient(vtrace.pg_advantage)
         v_loss = 0.5 * jnp.square(vtrace.errors)  # the targets carry no gradient (stop_target_gradients)
 
-        # Local sums over the global count: the psum of these gradients is the global mean's gradient.
+        # Local sums over the global count: the global sum of these gradients is the global mean's gradient.
         def local_mean(x):
             return jnp.sum(x * mb["valid"]) / count
 
@@ -625,7 +703,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         return loss, dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
 
     def update(state: TrainState, batch, update_index):
-        rewards, stats = normalisation(state.params, batch)
+        rewards, stats = normalisation(state.params, batch, G)
         data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"], rewards=rewards)
         data.update(terminations=batch["terminations"].astype(jnp.float32), valid=batch["valid"].astype(jnp.float32))
         data.update(core_states=batch["core_states"])
@@ -638,14 +716,14 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         def minibatch(state, envs):
             mb = jax.tree.map(lambda x: x[:, envs], data)
             count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
-            grads, losses = jax.grad(impala_loss, has_aux=True)(state.params, mb, count)
-            grads, losses = jax.lax.psum((grads, losses), "devices")
+            gradient = functools.partial(jax.grad(impala_loss, has_aux=True), state.params, count=count)
+            grads, losses = global_sum(G, gradient, mb)
             losses["grad_norm"] = optax.tree.norm(grads)
             return state.apply_gradients(grads=grads), losses
 
         state, losses = scan(minibatch, state, minibatch_envs)
         state = state.replace(params={**state.params, **stats})
-        return state, jax.tree.map(jnp.mean, losses), episode_sums(batch), batch_fingerprint(batch, env_ids)
+        return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
 
     # The state is not donated: the actors keep using the parameters the learner just replaced.
     return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
@@ -661,10 +739,10 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
     params = dict(torso=torso_params)
     if networks.core:  # a stream of its own (the other keys are those of a run without a core); it feeds both heads
         core_key = jax.random.fold_in(initialisation_key, 3)
-        size = networks.core.size
-        both_towers = np.zeros((1, 1, policy_hidden.shape[-1] + value_hidden.shape[-1]), np.float32)
-        params["core"] = networks.core.init(core_key, np.zeros((1, 2, size)), both_towers, np.zeros((1, 1), bool))
-        policy_hidden = value_hidden = np.zeros((1, size), np.float32)
+        state = np.zeros((1, 2, networks.core.width), np.float32)
+        towers = (np.zeros((1, *policy_hidden.shape), np.float32), np.zeros((1, *value_hidden.shape), np.float32))
+        params["core"] = networks.core.init(core_key, state, towers, np.zeros((1, 1), bool))
+        policy_hidden = value_hidden = np.zeros((1, networks.core.size), np.float32)
     params["actor"] = networks.actor.init(actor_key, policy_hidden)
     params["critic"] = networks.critic.init(critic_key, value_hidden)
 
@@ -743,7 +821,7 @@ def refusing_bad_input():
         sys.exit(2)
 
 
-DEFAULTS = {field.name: field.default for field in dataclasses.fields(Args)}
+DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
 # --capture-video's companion process (a tool beside the scripts, which never import it).
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
@@ -755,7 +833,7 @@ def check_args(args: Args):
     for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["checkpoint_interval", "env_threads", "lstm_size"]:  # 0: none by count; automatic; no core
+    for name in ["checkpoint_interval", "env_threads", "lstm_size", "layout_free_group_size"]:  # 0: none, auto, off
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
@@ -767,6 +845,8 @@ def check_args(args: Args):
         raise ConfigError("--gamma and --vtrace-lambda must lie in [0, 1]")
     if args.env_id not in envpool.list_all_envs():
         raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
+    if args.critic_core and not args.lstm_size:
+        raise ConfigError("--critic-core gives the value tower an LSTM of its own: it needs --lstm-size")
     if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
         raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
     try:  # EnvPool imports a family's module when it makes its first spec (Procgen needs the Qt 5 runtime)
@@ -809,6 +889,12 @@ def derive_config(args: Args) -> Config:
     if (envs_per_learner := envs_per_process // len(args.learner_device_ids)) % args.num_minibatches:
         envs = f"the {envs_per_learner} environments of each learner device: minibatches split the env axis"
         raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide {envs}")
+    # Two groups or more per actor thread and learner device: XLA inlines a loop of one, which then rounds otherwise.
+    group = args.layout_free_group_size
+    if group and (args.local_num_envs % (2 * group) or envs_per_learner // args.num_minibatches % (2 * group)):
+        envs = f"--local-num-envs {args.local_num_envs} and each learner device's environments in a minibatch"
+        need = f"two groups or more in each actor thread and learner device: {envs} must be multiples of {2 * group}"
+        raise ConfigError(f"--layout-free-group-size {group}: {need}")
     num_envs = envs_per_process * world_size
     batch_size = num_envs * args.num_steps
     if args.total_timesteps < batch_size:

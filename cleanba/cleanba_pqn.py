@@ -85,6 +85,7 @@ class Args:
     gamma: Algorithm[float] = 0.99  # discount factor
     frame_stack: Algorithm[int] = 4  # Atari: frames per observation (EnvPool's stack_num); 1 hides motion (--lstm-size)
     lstm_size: Algorithm[int] = 0  # units of an LSTM core after the torso: a memory for partial observability; 0: none
+    mask_obs: Algorithm[list[int]] = dataclasses.field(default_factory=list)  # vector components hidden (zeroed)
     q_lambda: Algorithm[float] = 0.65  # lambda of the Q(lambda) returns: 0 is one-step Q-learning, 1 Monte Carlo
     start_e: Algorithm[float] = 1.0  # epsilon-greedy's exploration rate at the start
     end_e: Algorithm[float] = 0.001  # ... at the end of its annealing, and from then on
@@ -93,6 +94,8 @@ class Args:
     update_epochs: Algorithm[int] = 2  # passes over each batch
     max_grad_norm: Algorithm[float] = 10.0  # global gradient-norm clipping threshold
     concurrency: Algorithm[bool] = False  # Cleanba's architecture (actors a version behind, overlapping the learner)
+    # Bit for bit the same run on any layout whose actor threads and learner devices hold whole groups (slower); 0: off.
+    layout_free_group_size: Algorithm[int] = 0  # envs per group computed with fixed shapes, sums added in a fixed order
     # The layout: where the run executes, never what it computes.
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
     learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # data-parallel learner
@@ -179,6 +182,7 @@ class MLP(nn.Module):
 
     discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
     q_network: bool = False  # PQN's tower (README, "PQN": tanh and 64 units fall short on CartPole)
+    masked: tuple = ()  # --mask-obs: components of a vector observation the agent does not see
 
     @nn.compact
     def __call__(self, obs):
@@ -204,24 +208,43 @@ class MLP(nn.Module):
             else:
                 features.append(x / 255.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32))
         x = jnp.concatenate(features, axis=-1)
+        if self.masked:  # a partially observed task (e.g. CartPole without its velocities: a memory test)
+            x = x.at[..., list(self.masked)].set(0.0)
         return (tower(x),) * 2 if self.q_network else (tower(x), tower(x))
 
 
 class LSTMCore(nn.Module):
-    """An LSTM over each env's sequence (time-major): its state (envs, 2, size) is zeroed after each flagged step."""
+    """The memory: LSTMs over each env's sequence (time-major) of the torso's towers, one LSTM over all of them or one
+    per tower; their state (envs, 2, width), cell and hidden, is zeroed after each flagged step."""
 
     size: int
+    cores: int = 1  # 2: the policy's and the value's towers each have their own (--critic-core)
+
+    @property
+    def width(self) -> int:  # each core's state side by side
+        return self.cores * self.size
 
     @nn.compact
-    def __call__(self, state, x, reset_after):
+    def __call__(self, state, towers: tuple, reset_after) -> tuple[tuple, jax.Array]:
         def step(cell, carry, inputs):
             x, reset = inputs
             carry, y = cell(carry, x)
             return jax.tree.map(lambda part: jnp.where(reset[:, None], 0.0, part), carry), y
 
         scan = nn.scan(step, variable_broadcast="params", split_rngs={"params": False})
-        (c, h), y = scan(nn.OptimizedLSTMCell(self.size), (state[:, 0], state[:, 1]), (x, reset_after))
-        return y, jnp.stack([c, h], axis=1)
+        inputs = towers
+        if self.cores == 1:
+            inputs = [jnp.concatenate(towers, axis=-1)]
+        outputs = []
+        states = []
+        for i, x in enumerate(inputs):
+            own = state[..., i * self.size : (i + 1) * self.size]
+            (c, h), y = scan(nn.OptimizedLSTMCell(self.size), (own[:, 0], own[:, 1]), (x, reset_after))
+            outputs.append(y)
+            states.append(jnp.stack([c, h], axis=1))
+        if self.cores == 1:  # one memory for every tower's head
+            outputs = outputs * len(towers)
+        return tuple(outputs), jnp.concatenate(states, axis=-1)
 
 
 class Networks(NamedTuple):
@@ -251,10 +274,14 @@ def make_networks(args: Args, spec) -> Networks:
         raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
     if getattr(spec.config, "max_num_players", 1) > 1:
         raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
+    if args.mask_obs and len(space.shape or ()) != 1:
+        raise ConfigError(f"--mask-obs hides components of a vector observation, not of {space}")
+    if args.mask_obs and not all(0 <= i < space.shape[0] for i in args.mask_obs):
+        raise ConfigError(f"--mask-obs {args.mask_obs}: the observation's components are 0 to {space.shape[0] - 1}")
     if len(space.shape or ()) == 3:
         torso = ResNet(q_network=True)
     else:
-        torso = MLP(discrete_sizes, q_network=True)
+        torso = MLP(discrete_sizes, q_network=True, masked=tuple(args.mask_obs))
     core = LSTMCore(args.lstm_size) if args.lstm_size else None
     q_head = nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1.0))
     convolutional = any(len(part.shape or ()) == 3 for part in parts.values())
@@ -274,7 +301,7 @@ def forward(networks: Networks, params, obs, core_state, reset_after):
 
     hidden, _ = networks.torso.apply(params["torso"], jax.tree.map(merge, obs))  # one tower: both outputs are it
     if networks.core:
-        hidden, core_state = networks.core.apply(params["core"], core_state, split(hidden), reset_after)
+        (hidden,), core_state = networks.core.apply(params["core"], core_state, (split(hidden),), reset_after)
         hidden = merge(hidden)
     return split(networks.q_head.apply(params["q_head"], hidden)), core_state
 
@@ -328,11 +355,11 @@ def env_step_op(envs, platform: str):
     return handle, env_step
 
 
-def first_state(envs, handle, step: int, core_size: int) -> EnvState:
+def first_state(envs, handle, step: int, networks: Networks) -> EnvState:
     """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on, their core's zero."""
     obs, _ = envs.reset()
     zeros = np.zeros(envs.config["num_envs"], np.float32)
-    core = np.zeros((len(zeros), 2, core_size), np.float32)
+    core = np.zeros((len(zeros), 2, networks.core.width if networks.core else 0), np.float32)
     return EnvState(handle, to_float32(obs), zeros > 0, zeros, zeros.astype(np.int32), zeros, np.int32(step), core)
 
 
@@ -386,6 +413,21 @@ def exploration_rate(args: Args, global_step):
     return args.start_e + (args.end_e - args.start_e) * progress
 
 
+def in_groups(group_size: int, f, *arrays):
+    """f(*arrays) on each group of `group_size` rows (axis 0) in turn, the outputs put back together: each group is
+    computed with the same shapes whatever the number of rows, so it rounds the same (--layout-free-group-size)."""
+    if not group_size:
+        return f(*arrays)
+
+    def split(x):  # (rows, ...) -> (groups, group_size, ...)
+        return x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
+
+    def merge(x):  # (groups, group_size, ...) -> (rows, ...)
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    return jax.tree.map(merge, jax.lax.map(lambda group: f(*group), jax.tree.map(split, arrays)))
+
+
 def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, platform: str):
     """(EnvPool's handle, the actor's rollout) for the pool `envs`, whose global indices are `env_ids`."""
     action_key = jax.random.fold_in(jax.random.key(args.seed), ACTIONS)
@@ -394,9 +436,6 @@ def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, plat
     num_envs = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids) * jax.process_count()
 
     def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy, the next core state)
-        obs = jax.tree.map(lambda x: x[None], env.obs)  # a sequence of one step
-        q_values, core = forward(networks, params, obs, env.core, env.done[None])
-        q_values = q_values[0]
         epsilon = exploration_rate(args, env.step.astype(jnp.float32) * num_envs)
         # One key per (environment, step): the explored actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, env.step)
@@ -406,9 +445,14 @@ def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, plat
             random_action = jax.random.randint(random_key, (), 0, q.shape[-1])
             return jnp.where(jax.random.uniform(explore_key) < epsilon, random_action, jnp.argmax(q))
 
-        action = jax.vmap(epsilon_greedy)(q_values, env_ids)
-        # The greedy value max_a Q(x, a) of each observation: what the Q(lambda) returns bootstrap from.
-        return action, dict(actions=action, values=jnp.max(q_values, axis=-1), core_states=env.core), core
+        def act_on(obs, core, done, ids):  # a group of envs
+            obs = jax.tree.map(lambda x: x[None], obs)  # a sequence of one step
+            q_values, next_core = forward(networks, params, obs, core, done[None])
+            action = jax.vmap(epsilon_greedy)(q_values[0], ids)
+            # The greedy value max_a Q(x, a) of each observation: what the Q(lambda) returns bootstrap from.
+            return action, dict(actions=action, values=jnp.max(q_values[0], axis=-1), core_states=core), next_core
+
+        return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env_ids)
 
     def bootstrap(params, env: EnvState, batch):  # the value of the last observation, to bootstrap from
         value = act(params, env)[1]["values"]
@@ -458,7 +502,7 @@ class Actors:
         threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
         envs = make_env(args, num_envs, int(env_ids[0]), **threads)
         handle, rollout = make_rollout(args, self.networks, envs, env_ids, device.platform)
-        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, args.lstm_size), device)
+        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, self.networks), device)
         for update in range(self.start_update + 1, self.cfg.num_updates + 1):
             timings = {}
             # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
@@ -493,11 +537,29 @@ class Actors:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The learner: targets, loss and update
-def episode_sums(batch):
+def global_sum(group_size: int, f, *arrays):
+    """The sum over all learner devices of f(*arrays), a sum over envs (axis 1, time-major). By default psum adds each
+    device's f; with --layout-free-group-size, f runs on each group of envs in turn, and the groups' sums are gathered
+    and added in global env order: the same float operations on any layout whose devices hold whole groups."""
+    if not group_size:
+        return jax.lax.psum(f(*arrays), "devices")
+
+    def split(x):  # (T, envs, ...) -> (groups, T, group_size, ...)
+        return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // group_size, group_size, *x.shape[2:]), 1, 0)
+
+    sums = jax.lax.map(lambda group: f(*group), jax.tree.map(split, arrays))
+    return jax.tree.map(lambda x: jnp.sum(jax.lax.all_gather(x, "devices", tiled=True), axis=0), sums)
+
+
+def episode_sums(batch, group_size: int):
     """Count, return sum and length sum of the episodes that ended in the batch, over all devices and processes."""
-    ended = batch["dones"].astype(jnp.float32) * batch["valid"]
-    sums = [jnp.sum(x * ended) for x in (1.0, batch["episode_returns"], batch["episode_lengths"])]
-    return jax.lax.psum(jnp.stack(sums), "devices")
+
+    def sums(dones, valid, returns, lengths):
+        ended = dones.astype(jnp.float32) * valid
+        return jnp.stack([jnp.sum(x * ended) for x in (1.0, returns, lengths)])
+
+    ended = [batch[name] for name in ("dones", "valid", "episode_returns", "episode_lengths")]
+    return global_sum(group_size, sums, *ended)
 
 
 def q_lambda_returns(args: Args, rewards, values, terminations, dones):
@@ -522,6 +584,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     number permutation(...)[k] of S consecutive steps, replayed from its recorded core state. Means are global."""
     T = args.num_steps
     S = args.num_steps // args.num_minibatches  # time steps of each env in a minibatch
+    G = args.layout_free_group_size
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
@@ -539,7 +602,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         q_values, _ = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0)
         q_taken = jnp.take_along_axis(q_values, mb["actions"][..., None], axis=-1)[..., 0]
 
-        # Local sums over the global count: the psum of these gradients is the global mean's gradient.
+        # Local sums over the global count: the global sum of these gradients is the global mean's gradient.
         def local_mean(x):
             return jnp.sum(x * mb["valid"]) / count
 
@@ -565,15 +628,15 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             def minibatch(state, steps):  # steps: (local_envs, S) time indices of each env
                 mb = jax.tree.map(lambda x: x[steps.T, jnp.arange(local_envs)], data)  # time-major
                 count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
-                grads, losses = jax.grad(td_loss, has_aux=True)(state.params, mb, count)
-                grads, losses = jax.lax.psum((grads, losses), "devices")
+                gradient = functools.partial(jax.grad(td_loss, has_aux=True), state.params, count=count)
+                grads, losses = global_sum(G, gradient, mb)
                 losses["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), losses
 
             return scan(minibatch, state, minibatch_steps)
 
         state, losses = scan(epoch, state, jnp.arange(args.update_epochs))
-        return state, jax.tree.map(jnp.mean, losses), episode_sums(batch), batch_fingerprint(batch, env_ids)
+        return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
 
     # The state is not donated: the actors keep using the parameters the learner just replaced.
     return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
@@ -589,10 +652,10 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
     params = dict(torso=torso_params)
     if networks.core:  # a stream of its own (the other keys are those of a run without a core)
         core_key = jax.random.fold_in(initialisation_key, 3)
-        size = networks.core.size
-        sequence = np.zeros((1, 1, hidden.shape[-1]), np.float32)
-        params["core"] = networks.core.init(core_key, np.zeros((1, 2, size)), sequence, np.zeros((1, 1), bool))
-        hidden = np.zeros((1, size), np.float32)
+        state = np.zeros((1, 2, networks.core.width), np.float32)
+        sequence = (np.zeros((1, 1, hidden.shape[-1]), np.float32),)
+        params["core"] = networks.core.init(core_key, state, sequence, np.zeros((1, 1), bool))
+        hidden = np.zeros((1, networks.core.size), np.float32)
     params["q_head"] = networks.q_head.init(q_key, hidden)
     gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
     schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
@@ -662,7 +725,7 @@ def refusing_bad_input():
         sys.exit(2)
 
 
-DEFAULTS = {field.name: field.default for field in dataclasses.fields(Args)}
+DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
 # --capture-video's companion process (a tool beside the scripts, which never import it).
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
@@ -674,7 +737,7 @@ def check_args(args: Args):
     for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["checkpoint_interval", "env_threads", "lstm_size"]:  # 0: none by count; automatic; no core
+    for name in ["checkpoint_interval", "env_threads", "lstm_size", "layout_free_group_size"]:  # 0: none, auto, off
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
@@ -722,6 +785,12 @@ def derive_config(args: Args) -> Config:
     if envs_per_process % len(args.learner_device_ids):
         envs = f"{args.local_num_envs} x {args.num_actor_threads} threads x {len(args.actor_device_ids)} actor devices"
         raise ConfigError(f"--local-num-envs {envs} do not split over {len(args.learner_device_ids)} learner devices")
+    # Two groups or more per actor thread and learner device: XLA inlines a loop of one, which then rounds otherwise.
+    group = args.layout_free_group_size
+    if group and (args.local_num_envs % (2 * group) or envs_per_process // len(args.learner_device_ids) % (2 * group)):
+        envs = f"--local-num-envs {args.local_num_envs} and each learner device's environments"
+        need = f"two groups or more in each actor thread and learner device: {envs} must be multiples of {2 * group}"
+        raise ConfigError(f"--layout-free-group-size {group}: {need}")
     num_envs = envs_per_process * world_size
     batch_size = num_envs * args.num_steps
     if args.total_timesteps < batch_size:

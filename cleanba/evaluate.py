@@ -95,7 +95,7 @@ def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float
     envs = script.make_env(args, 1, EVAL_ENV_INDEX)
     handle, rollout = script.make_rollout(args, networks, envs, np.array([EVAL_ENV_INDEX]), jax.default_backend())
     params = saved_params(run_dir, args.exp_name)
-    env = script.first_state(envs, handle, step=0, core_size=args.lstm_size)
+    env = script.first_state(envs, handle, 0, networks)
     returns = []
     while len(returns) < episodes:  # the returns of the episodes that ended in each rollout, in order
         env, batch = rollout(params, env)
@@ -117,7 +117,8 @@ class Recorder:
         self.envs = self.script.make_env(self.args, 1, EVAL_ENV_INDEX, render_mode="rgb_array")
         env_ids = np.array([EVAL_ENV_INDEX])
         handle, self.rollout = self.script.make_rollout(self.args, networks, self.envs, env_ids, jax.default_backend())
-        self.env = self.script.first_state(self.envs, handle, step=0, core_size=self.args.lstm_size)
+        self.networks = networks
+        self.env = self.script.first_state(self.envs, handle, 0, networks)
         self.frames = [self.envs.render()[0]]
 
     def episode(self, params) -> tuple[list[np.ndarray], float]:
@@ -134,7 +135,7 @@ class Recorder:
             if self.max_frames and len(self.frames) >= self.max_frames:  # cut: the next episode starts afresh
                 frames = self.frames
                 step = int(jax.device_get(self.env.step))
-                self.env = self.script.first_state(self.envs, self.env.handle, step, core_size=self.args.lstm_size)
+                self.env = self.script.first_state(self.envs, self.env.handle, step, self.networks)
                 self.frames = [self.envs.render()[0]]
                 return frames, float("nan")
 

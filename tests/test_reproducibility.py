@@ -15,7 +15,18 @@ import sys
 import numpy as np
 import pytest
 from compare_runs import compare, within_tolerance
-from helpers import BREAKOUT, POLICY_GRADIENT, REPO, Run, check, finished_run, load_checkpoint, run
+from helpers import (
+    BREAKOUT,
+    POLICY_GRADIENT,
+    REPO,
+    Run,
+    check,
+    finished_run,
+    load_checkpoint,
+    run,
+    run_processes,
+    trained,
+)
 
 COMPARED_UPDATES, ATARI_UPDATES = 10, 5
 
@@ -88,6 +99,35 @@ def test_one_vs_two_processes(algo, two_processes_run, request):
     assert two_processes_run.config["args"]["lstm_size"] == (8 if algo == "impala" else 0)
     assert "8 envs x 32 steps = 256 per update" in two_processes_run.output  # both processes' envs in one batch
     assert_same_batches_close_losses(reference.records, two_processes_run.records, compared, compared)
+
+
+# --layout-free-group-size on CartPole, 24 envs x 32 steps, 10 updates (PPO with an LSTM per tower, IMPALA with the
+# Cleanba architecture and groups of 1 env: its minibatches hold 4 of a device's envs on the spread layout).
+LAYOUT_FREE = "--env-id CartPole-v1 --num-steps 32 --learning-rate 1e-3 --log-frequency 1 --total-timesteps 7680"
+LAYOUT_FREE_FLAGS = {
+    "ppo": "--layout-free-group-size 2 --lstm-size 8 --critic-core --num-minibatches 4",
+    "impala": "--layout-free-group-size 1 --num-minibatches 2",
+    "pqn": "--layout-free-group-size 2",
+}
+
+
+def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
+    """With --layout-free-group-size every sum over envs is made of groups computed with the same shapes and added in
+    global env order, and the actors act group by group: 1 actor thread and learner device, and 3 threads with the
+    learner on 3 devices, give the same run bit for bit (every fingerprint, loss and logged metric). PPO's runs have
+    an LSTM per tower, and 2 processes give the same run too."""
+    flags = [*LAYOUT_FREE.split(), *LAYOUT_FREE_FLAGS[algo].split()]
+    for name in ("one", "spread"):
+        os.makedirs(tmp_path / name)
+    one = trained(*flags, "--local-num-envs", 24, "--num-actor-threads", 1, algo=algo)(tmp_path / "one")
+    spread = [*flags, "--local-num-envs", 8, "--num-actor-threads", 3, "--learner-device-ids", 0, 1, 2]
+    assert_bitwise_identical(one, trained(*spread, num_devices=3, algo=algo)(tmp_path / "spread"))
+    assert len({record["fingerprint"] for record in one.records}) == 10
+    if algo == "ppo":
+        processes = [*flags, "--local-num-envs", 12, "--num-actor-threads", 1]
+        two_processes = finished_run(tmp_path / "processes", run_processes(tmp_path / "processes", *processes)[0])
+        assert two_processes.config["layout"]["processes"] == 2
+        assert_bitwise_identical(one, two_processes)
 
 
 def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):

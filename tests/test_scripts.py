@@ -163,6 +163,10 @@ BAD_INPUT = [
     (["--env-id", "CarRacing-v3"], "--env-id"),  # frames with their channels last: the ResNet would misread them
     (["--env-id", "Go9x9-v1"], "--env-id"),  # a game of two players
     (["--env-id", "D1Basic-v1"], "--env-id"),  # ViZDoom: a vector of button values without bounds
+    (["--mask-obs", 1, 4], "--mask-obs"),  # CartPole's components are 0 to 3
+    (["--layout-free-group-size", 3], "--layout-free-group-size"),  # 64 envs per thread: not whole pairs of groups
+    (["--layout-free-group-size", -1], "--layout-free-group-size"),
+    (["--env-id", "MiniGrid-Empty-5x5-v0", "--mask-obs", 1], "--mask-obs"),  # a dict, not a vector
 ]
 NORM_OBS_ON_A_DICT = (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs")
 # Continuous actions normalise observations by default: a dict of them (DMC's) needs --norm-obs False.
@@ -173,6 +177,7 @@ ALGO_BAD_INPUT = {
         (["--update-epochs", 0], "--update-epochs"),
         NORM_OBS_ON_A_DICT,
         NORM_OBS_BY_DEFAULT_ON_A_DICT,
+        (["--critic-core"], "--critic-core"),  # without --lstm-size
     ],
     "impala": [
         (["--local-num-envs", 6, "--num-actor-threads", 1, "--num-minibatches", 4], "--num-minibatches"),
@@ -314,7 +319,7 @@ def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flag
     for platform in ("cpu", "gpu"):
         envs = script.make_env(args, 4, 0)
         handle, rollout = script.make_rollout(args, networks, envs, np.arange(4), platform)
-        env, batches[platform] = script.first_state(envs, handle, 0, args.lstm_size), []
+        env, batches[platform] = script.first_state(envs, handle, 0, networks), []
         for _ in range(3):
             env, batch = rollout(script.replica(state.params), env)
             batches[platform].append(jax.device_get(batch))
