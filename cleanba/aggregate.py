@@ -4,7 +4,8 @@
 
 For every run under the given directories (a run is a directory with config.json and event files):
 the final score is the mean `charts/episodic_return` over the last --last-fraction of its logged points.
-Runs are grouped by method (the run's --exp-name) and environment. Written to --out:
+Runs are grouped by method (the run's --exp-name) and environment (with --mask-obs, e.g. CartPole-v1-mask1-3: another
+task). Written to --out:
 
 - scores.csv: one row per run: method, script, env id, seed, steps, final score, human-normalised score (HNS)
 - games.md / games.csv: per method and environment, the final score's mean +- std over seeds, its steps and
@@ -110,6 +111,8 @@ PUBLISHED = {
     ("cleanba_ppo.py", "InvertedPendulum-v4"): (963.09, 22.20, "CleanRL ppo_continuous_action.py, 1M steps"),
     ("cleanba_pqn.py", "CartPole-v1"): (495.13, 6.89, "CleanRL pqn.py, 500k steps"),
     ("cleanba_pqn.py", "Acrobot-v1"): (-95.63, 5.73, "CleanRL pqn.py, 500k steps"),
+    # CartPole with its velocities hidden (--mask-obs 1 3): the SB3 zoo's ppo_lstm on CartPoleNoVel-v1 (its benchmark).
+    ("cleanba_ppo.py", "CartPole-v1-mask1-3"): (500.0, 0.0, "SB3 zoo ppo_lstm, CartPoleNoVel-v1, 100k steps"),
 }
 
 
@@ -182,13 +185,16 @@ def load_runs(directories: list[str]) -> list[dict]:
             args, events = config["args"], read_events(run_dir)
             curve = events.scalars.get("charts/episodic_return", [])
             script = config.get("script", "cleanba_ppo.py" if "update_epochs" in args else "cleanba_impala.py")
+            env_id = args["env_id"]
+            if args.get("mask_obs"):  # another task: the same environment with components of its observation hidden
+                env_id = f"{env_id}-mask{'-'.join(map(str, args['mask_obs']))}"
             if curve:
                 runs.append(
                     dict(
                         run_dir=run_dir,
                         method=args["exp_name"],
                         script=script,
-                        env_id=args["env_id"],
+                        env_id=env_id,
                         seed=args["seed"],
                         curve=curve,
                         started=events.started,
