@@ -76,6 +76,7 @@ def load_run(run_dir: str, seed: int | None = None):
         args.seed = seed
     if hasattr(args, "end_e"):  # Q-learning (PQN) plays epsilon-greedily at its final exploration rate, not its first
         args.start_e = args.end_e
+    args.layout_free_group_size = 0  # one environment: nothing to split into groups
     networks = script.make_networks(args, envpool.make_spec(args.env_id, **script.env_options(args)))
     return script, args, networks
 
