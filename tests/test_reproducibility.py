@@ -27,6 +27,7 @@ from helpers import (
     run_processes,
     trained,
 )
+from test_training import evaluate
 
 COMPARED_UPDATES, ATARI_UPDATES = 10, 5
 
@@ -105,7 +106,7 @@ def test_one_vs_two_processes(algo, two_processes_run, request):
 # Cleanba architecture and groups of 1 env: its minibatches hold 4 of a device's envs on the spread layout).
 LAYOUT_FREE = "--env-id CartPole-v1 --num-steps 32 --learning-rate 1e-3 --log-frequency 1 --total-timesteps 7680"
 LAYOUT_FREE_FLAGS = {
-    "ppo": "--layout-free-group-size 2 --lstm-size 8 --critic-core --num-minibatches 4",
+    "ppo": "--layout-free-group-size 2 --lstm-size 8 --critic-core --num-minibatches 4 --save-model",
     "impala": "--layout-free-group-size 1 --num-minibatches 2",
     "pqn": "--layout-free-group-size 2",
 }
@@ -128,6 +129,7 @@ def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
         two_processes = finished_run(tmp_path / "processes", run_processes(tmp_path / "processes", *processes)[0])
         assert two_processes.config["layout"]["processes"] == 2
         assert_bitwise_identical(one, two_processes)
+        assert len(evaluate(one.path, 2)) == 2  # evaluate.py plays it, the LSTMs' states carried through each episode
 
 
 def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
