@@ -89,6 +89,7 @@ class Args:
     lstm_size: Algorithm[int] = 0  # units of an LSTM core after the torso: a memory for partial observability; 0: none
     critic_core: Algorithm[bool] = False  # --lstm-size: an LSTM of the value tower's own (else one of both towers)
     mask_obs: Algorithm[list[int]] = dataclasses.field(default_factory=list)  # vector components hidden (zeroed)
+    view_size: Algorithm[int] = 0  # MiniGrid: the agent sees the NxN cells ahead (3: the references' view); 0: all 7x7
     norm_obs: Algorithm[bool | None] = None  # normalise observations by running mean and std; None: if continuous
     norm_reward: Algorithm[bool | None] = None  # divide rewards by a discounted return's std; None: if continuous
     vtrace_lambda: Algorithm[float] = 1.0  # lambda of V-trace's truncated importance-weighted returns
@@ -190,6 +191,7 @@ class MLP(nn.Module):
     discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
     q_network: bool = False  # PQN's tower (README, "PQN": tanh and 64 units fall short on CartPole)
     masked: tuple = ()  # --mask-obs: components of a vector observation the agent does not see
+    view_size: int = 0  # --view-size: the cells of MiniGrid's grid the agent sees, one-hot and flattened (no CNN)
 
     @nn.compact
     def __call__(self, obs):
@@ -206,6 +208,9 @@ class MLP(nn.Module):
         for x, n in zip(parts, self.discrete_sizes, strict=True):
             if n:
                 features.append(jax.nn.one_hot(x, n))
+            elif x.ndim == 4 and self.view_size:  # EnvPool's 7x7 view: the agent at [x, y] = (3, 6), facing y = 0
+                x = x[:, 3 - self.view_size // 2 : 4 + self.view_size // 2, 7 - self.view_size :]
+                features.append(jax.nn.one_hot(x, 11).reshape(x.shape[0], -1))
             elif x.ndim == 4:  # MiniGrid's cells: ids (object type, colour, state; all below 11), categories: one-hot
                 x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(jax.nn.one_hot(x, 11).reshape(*x.shape[:3], -1)))
                 x = nn.max_pool(x, (2, 2), strides=(2, 2))
@@ -322,7 +327,15 @@ def make_networks(args: Args, spec) -> Networks:
         raise ConfigError(f"--mask-obs hides components of a vector observation, not of {space}")
     if args.mask_obs and not all(0 <= i < space.shape[0] for i in args.mask_obs):
         raise ConfigError(f"--mask-obs {args.mask_obs}: the observation's components are 0 to {space.shape[0] - 1}")
-    torso = ResNet() if len(space.shape or ()) == 3 else MLP(discrete_sizes, masked=tuple(args.mask_obs))
+    grids = [part.shape for part in parts.values() if len(part.shape or ()) == 3 and part is not space]
+    if args.view_size and grids != [(7, 7, 3)]:
+        raise ConfigError(f"--view-size crops MiniGrid's 7x7 view of cells; --env-id {args.env_id} has none")
+    if args.view_size and args.view_size not in (3, 5, 7):
+        raise ConfigError(f"--view-size {args.view_size}: the view around the agent is 3, 5 or 7 cells a side")
+    if len(space.shape or ()) == 3:
+        torso = ResNet()
+    else:
+        torso = MLP(discrete_sizes, masked=tuple(args.mask_obs), view_size=args.view_size)
     if getattr(spec.config, "max_num_players", 1) > 1:
         raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
     actions = spec.action_space
@@ -338,7 +351,7 @@ def make_networks(args: Args, spec) -> Networks:
         core = LSTMCore(args.lstm_size, cores=1 + args.critic_core)
     actor = Actor(spec.action_space.shape[0] if continuous else spec.action_space.n, continuous)
     critic = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))
-    convolutional = any(len(part.shape or ()) == 3 for part in parts.values())
+    convolutional = any(len(part.shape or ()) == 3 for part in parts.values()) and not args.view_size
     return Networks(torso, core, actor, critic, convolutional, continuous)
 
 

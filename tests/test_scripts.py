@@ -164,6 +164,8 @@ BAD_INPUT = [
     (["--env-id", "Go9x9-v1"], "--env-id"),  # a game of two players
     (["--env-id", "D1Basic-v1"], "--env-id"),  # ViZDoom: a vector of button values without bounds
     (["--mask-obs", 1, 4], "--mask-obs"),  # CartPole's components are 0 to 3
+    (["--view-size", 3], "--view-size"),  # CartPole has no MiniGrid view
+    (["--env-id", "MiniGrid-MemoryS9-v0", "--view-size", 4], "--view-size"),  # odd sizes only
     (["--layout-free-group-size", 3], "--layout-free-group-size"),  # 64 envs per thread: not whole pairs of groups
     (["--layout-free-group-size", -1], "--layout-free-group-size"),
     (["--env-id", "MiniGrid-Empty-5x5-v0", "--mask-obs", 1], "--mask-obs"),  # a dict, not a vector
