@@ -102,7 +102,7 @@ class Args:
     rmsprop_eps: Algorithm[float] = 0.01  # RMSProp's epsilon (inside the square root, as TensorFlow's in the paper)
     rmsprop_decay: Algorithm[float] = 0.99  # RMSProp's decay of the squared-gradient average
     concurrency: Algorithm[bool] = True  # Cleanba's architecture (actors a version behind, overlapping the learner)
-    # Bit for bit the same run on any layout whose actor threads and learner devices hold whole groups (slower); 0: off.
+    # Bit for bit the same run on any layout giving each actor thread and learner device 2+ groups (slower); 0: off.
     layout_free_group_size: Algorithm[int] = 0  # envs per group computed with fixed shapes, sums added in a fixed order
     # The layout: where the run executes, never what it computes.
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference

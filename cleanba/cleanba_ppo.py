@@ -96,7 +96,7 @@ class Args:
     max_grad_norm: Algorithm[float] = 0.5  # global gradient-norm clipping threshold
     adam_eps: Algorithm[float] = 1e-5  # Adam's epsilon
     concurrency: Algorithm[bool] = False  # Cleanba's architecture (actors a version behind, overlapping the learner)
-    # Bit for bit the same run on any layout whose actor threads and learner devices hold whole groups (slower); 0: off.
+    # Bit for bit the same run on any layout giving each actor thread and learner device 2+ groups (slower); 0: off.
     layout_free_group_size: Algorithm[int] = 0  # envs per group computed with fixed shapes, sums added in a fixed order
     # The layout: where the run executes, never what it computes.
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
