@@ -1137,7 +1137,8 @@ class RunDir:
         notation = f"a{actors}-l{learners}-d{cfg.world_size}"
         layout = dict(notation=notation, processes=cfg.world_size, actor_threads_per_device=args.num_actor_threads)
         layout.update(platform=jax.default_backend(), num_envs=cfg.num_envs, batch_size=cfg.batch_size)
-        layout.update(num_updates=cfg.num_updates)
+        layout.update(num_updates=cfg.num_updates, actor_devices=[str(d) for d in cfg.actor_devices])
+        layout.update(learner_devices=[str(d) for d in cfg.learner_devices])
         config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
         with open(f"{self.path}/config.json", "w") as f:
             json.dump(config, f, indent=2)
