@@ -423,17 +423,19 @@ def exploration_rate(args: Args, global_step):
     return args.start_e + (args.end_e - args.start_e) * progress
 
 
-def in_groups(group_size: int, f, *arrays):
-    """f(*arrays) on each group of `group_size` rows (axis 0) in turn, the outputs put back together: each group is
-    computed with the same shapes whatever the number of rows, so it rounds the same (--layout-free-group-size)."""
+def in_groups(group_size: int, f, *arrays, axis: int = 0):
+    """f(*arrays) on each group of `group_size` envs (along `axis`) in turn, the outputs put back together: each group
+    is computed with the same shapes whatever the number of envs, so it rounds the same (--layout-free-group-size)."""
     if not group_size:
         return f(*arrays)
 
-    def split(x):  # (rows, ...) -> (groups, group_size, ...)
-        return x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
+    def split(x):  # (..., envs, ...) -> (groups, ..., group_size, ...)
+        x = x.reshape(*x.shape[:axis], x.shape[axis] // group_size, group_size, *x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0)
 
-    def merge(x):  # (groups, group_size, ...) -> (rows, ...)
-        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    def merge(x):  # (groups, ..., group_size, ...) -> (..., envs, ...)
+        x = jnp.moveaxis(x, 0, axis)
+        return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
 
     return jax.tree.map(merge, jax.lax.map(lambda group: f(*group), jax.tree.map(split, arrays)))
 
@@ -620,7 +622,9 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         return loss, dict(loss=loss, q_values=local_mean(q_taken), targets=local_mean(mb["targets"]))
 
     def update(state: TrainState, batch, update_index):
-        targets = q_lambda_returns(args, batch["rewards"], batch["values"], batch["terminations"], batch["dones"])
+        # In groups too: computed over a device's envs at once, Q(lambda) rounded apart on 2 processes (12 envs each).
+        returns = (batch["rewards"], batch["values"], batch["terminations"], batch["dones"])
+        targets = in_groups(G, functools.partial(q_lambda_returns, args), *returns, axis=1)
         data = dict(obs=batch["obs"], actions=batch["actions"], targets=targets, core_states=batch["core_states"])
         data.update(valid=batch["valid"].astype(jnp.float32))
         env_ids = batch["env_ids"]

@@ -115,8 +115,8 @@ LAYOUT_FREE_FLAGS = {
 def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
     """With --layout-free-group-size every sum over envs is made of groups computed with the same shapes and added in
     global env order, and the actors act group by group: 1 actor thread and learner device, and 3 threads with the
-    learner on 3 devices, give the same run bit for bit (every fingerprint, loss and logged metric). PPO's runs have
-    an LSTM per tower, and 2 processes give the same run too."""
+    learner on 3 devices, and 2 processes, give the same run bit for bit (every fingerprint, loss and logged metric).
+    PPO's runs have an LSTM per tower."""
     flags = [*LAYOUT_FREE.split(), *LAYOUT_FREE_FLAGS[algo].split()]
     for name in ("one", "spread"):
         os.makedirs(tmp_path / name)
@@ -124,12 +124,13 @@ def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
     spread = [*flags, "--local-num-envs", 8, "--num-actor-threads", 3, "--learner-device-ids", 0, 1, 2]
     assert_bitwise_identical(one, trained(*spread, num_devices=3, algo=algo)(tmp_path / "spread"))
     assert len({record["fingerprint"] for record in one.records}) == 10
-    if algo == "ppo":
-        processes = [*flags, "--local-num-envs", 12, "--num-actor-threads", 1]
-        two_processes = finished_run(tmp_path / "processes", run_processes(tmp_path / "processes", *processes)[0])
-        assert two_processes.config["layout"]["processes"] == 2
-        assert_bitwise_identical(one, two_processes)
-        assert len(evaluate(one.path, 2)) == 2  # evaluate.py plays it, the LSTMs' states carried through each episode
+    processes = [*flags, "--local-num-envs", 12, "--num-actor-threads", 1]
+    two_processes = run_processes(tmp_path / "processes", *processes, algo=algo)[0]
+    two_processes = finished_run(tmp_path / "processes", two_processes)
+    assert two_processes.config["layout"]["processes"] == 2
+    assert_bitwise_identical(one, two_processes)
+    if algo == "ppo":  # evaluate.py plays it, the LSTMs' states carried through each episode
+        assert len(evaluate(one.path, 2)) == 2
 
 
 def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
