@@ -481,21 +481,24 @@ def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
     return jax.jit(rollout) if platform == "cpu" else rollout
 
 
+def split_groups(x, group_size: int, axis: int):
+    """(..., envs, ...) -> (groups, ..., group_size, ...): the envs along `axis` in groups, groups first."""
+    x = x.reshape(*x.shape[:axis], x.shape[axis] // group_size, group_size, *x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
 def in_groups(group_size: int, f, *arrays, axis: int = 0):
     """f(*arrays) on each group of `group_size` envs (along `axis`) in turn, the outputs put back together: each group
     is computed with the same shapes whatever the number of envs, so it rounds the same (--layout-free-group-size)."""
     if not group_size:
         return f(*arrays)
 
-    def split(x):  # (..., envs, ...) -> (groups, ..., group_size, ...)
-        x = x.reshape(*x.shape[:axis], x.shape[axis] // group_size, group_size, *x.shape[axis + 1 :])
-        return jnp.moveaxis(x, axis, 0)
-
     def merge(x):  # (groups, ..., group_size, ...) -> (..., envs, ...)
         x = jnp.moveaxis(x, 0, axis)
         return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
 
-    return jax.tree.map(merge, jax.lax.map(lambda group: f(*group), jax.tree.map(split, arrays)))
+    groups = jax.tree.map(functools.partial(split_groups, group_size=group_size, axis=axis), arrays)
+    return jax.tree.map(merge, jax.lax.map(lambda group: f(*group), groups))
 
 
 def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, platform: str):
@@ -608,11 +611,8 @@ def global_sum(group_size: int, f, *arrays):
     and added in global env order: the same float operations on any layout whose devices hold whole groups."""
     if not group_size:
         return jax.lax.psum(f(*arrays), "devices")
-
-    def split(x):  # (T, envs, ...) -> (groups, T, group_size, ...)
-        return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // group_size, group_size, *x.shape[2:]), 1, 0)
-
-    sums = jax.lax.map(lambda group: f(*group), jax.tree.map(split, arrays))
+    groups = jax.tree.map(functools.partial(split_groups, group_size=group_size, axis=1), arrays)
+    sums = jax.lax.map(lambda group: f(*group), groups)
     return jax.tree.map(lambda x: jnp.sum(jax.lax.all_gather(x, "devices", tiled=True), axis=0), sums)
 
 
