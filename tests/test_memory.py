@@ -97,7 +97,6 @@ MINIGRID_EMPTY = {
 LEARNED = 0.7  # both reach ~0.9 here (returns and sampled evaluations)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("algo", POLICY_GRADIENT)
 def test_a_recurrent_policy_on_dict_observations_trains_resumes_and_evaluates(algo, tmp_path):
     """A MiniGrid room with an LSTM: SIGTERM partway (checkpoint, exit 143), the same command resumes (the envs and
@@ -135,7 +134,6 @@ def late_return(run_dir: str) -> float:
     return returns / count
 
 
-@pytest.mark.slow
 def test_memory_pays_without_velocities(tmp_path):
     """CartPole with only the positions of the cart and the pole (--mask-obs 1 3): without memory a policy cannot
     tell which way the pole moves, and balances it ~40 steps; with an LSTM per tower (--critic-core) it infers the

@@ -112,7 +112,6 @@ LAYOUT_FREE_FLAGS = {
 }
 
 
-@pytest.mark.slow
 def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
     """With --layout-free-group-size every sum over envs is made of groups computed with the same shapes and added in
     global env order, and the actors act group by group: 1 actor thread and learner device, and 3 threads with the
