@@ -106,8 +106,8 @@ def test_a_recurrent_policy_on_dict_observations_trains_resumes_and_evaluates(al
     its core state through each episode."""
     flags = [*MINIGRID_EMPTY[algo].split(), "--checkpoint-interval", 0, "--save-model"]
     proc = start(tmp_path, *flags, algo=algo)
-    # After the first logged returns (IMPALA logs every 20 updates). Compiling PPO's update takes ~40 s of it alone on
-    # 2 cores, and can take twice that beside the suite's other tests: the time limit only catches a hang.
+    # After the first logged returns (IMPALA logs every 20 updates). PPO's first run, compiling its update, takes ~40 s
+    # alone on a core, and can take twice that beside the suite's other tests: the time limit only catches a hang.
     wait_for_updates(tmp_path, 20, proc, timeout=300)
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=60)[0]
