@@ -119,7 +119,10 @@ def two_processes_run(algo, tmp_path_factory) -> Run:
     below): each process's actors record their envs' core states, which the learner on both replays from."""
     configuration = LSTM_8_ENVS if algo == "impala" else [*CARTPOLE_8_ENVS, "--no-concurrency"]
     flags = [*configuration, "--num-actor-threads", 1, "--local-num-envs", 4]
-    make = lambda cwd: finished_run(cwd, run_processes(cwd, *flags, algo=algo)[0])  # noqa: E731
+
+    def make(cwd):
+        return finished_run(cwd, run_processes(cwd, *flags, algo=algo)[0])
+
     return made_once(tmp_path_factory, f"two-processes-{algo}", make)
 
 

@@ -18,7 +18,9 @@ DONES = np.array([0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # terminated or truncated
 def test_gae_stops_at_episode_ends_and_bootstraps_truncation():
     args = ppo.Args(gamma=GAMMA, gae_lambda=LAMBDA)
     advantages, returns = map(np.asarray, ppo.gae(args, REWARDS, VALUES, TERMINATIONS, DONES))
-    delta = lambda t: REWARDS[t] + GAMMA * VALUES[t + 1] * (1 - TERMINATIONS[t]) - VALUES[t]  # noqa: E731
+
+    def delta(t):
+        return REWARDS[t] + GAMMA * VALUES[t + 1] * (1 - TERMINATIONS[t]) - VALUES[t]
 
     def explicit(t, last):  # sum_{k=t}^{last} (gamma lambda)^(k-t) delta_k, within one episode
         return sum((GAMMA * LAMBDA) ** (k - t) * delta(k) for k in range(t, last + 1))

@@ -63,7 +63,10 @@ def local_grid(tmp_path_factory):
     """A grid with more experiments than workers, one of which fails: 3 envs and a bad env id, 1 seed, of PPO (CartPole
     and Acrobot find the programs the SLURM grid compiled, which runs first, in the tests' compilation cache)."""
     envs = "CartPole-v1 Acrobot-v1 MountainCar-v0 NoSuchGame-v5"
-    grid = lambda cwd: (cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", short_ppo()))  # noqa: E731
+
+    def grid(cwd):
+        return cwd, tool("launch", cwd, f"--env-ids {envs} --seeds 1 --workers 2 --", short_ppo())
+
     return made_once(tmp_path_factory, "grid", grid)
 
 

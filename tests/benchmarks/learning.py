@@ -80,7 +80,10 @@ def summarize(algo: str, scalars: dict, started: float) -> dict:
     returns = scalars.get("charts/episodic_return", [])
     tail = returns[-max(1, len(returns) // 10) :]
     # Waits logged once the steady part has begun (with the Cleanba architecture, a wait is logged an update late).
-    steady_waits = lambda tag: [p[1] for p in scalars.get(f"stats/{tag}", []) if p[0] > steps[first + 1]]  # noqa: E731
+
+    def steady_waits(tag):
+        return [p[1] for p in scalars.get(f"stats/{tag}", []) if p[0] > steps[first + 1]]
+
     waits = {tag: np.mean(steady_waits(tag) or [0.0]) for tag in ("rollout_queue_get_time", "params_queue_get_time")}
     seconds_per_update = (walls[last] - walls[first]) / (updates[last][1] - updates[first][1])
     return dict(
