@@ -22,7 +22,7 @@ import tyro
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "cleanba"))
 
-from events import read_scalars  # noqa: E402, F401 (for the tests)
+from events import read_events, read_scalars  # noqa: E402, F401 (for the tests)
 
 SCRIPTS = {algo: os.path.join(REPO, "cleanba", f"cleanba_{algo}.py") for algo in ("ppo", "impala", "pqn")}
 

@@ -22,6 +22,7 @@ from helpers import (
     load_checkpoint,
     load_module,
     made_once,
+    read_events,
     read_scalars,
     run_dirs,
     run_processes,
@@ -248,14 +249,19 @@ def test_aggregate_grid_tables_and_plots(local_grid, one_thread_run, tmp_path):
         rows = list(csv.DictReader(f))
     expected = [("cleanba_ppo.py", env_id) for env_id in ("Acrobot-v1", "CartPole-v1", "MountainCar-v0")]
     assert sorted((r["script"], r["env_id"]) for r in rows) == [*expected, ("cleanba_pqn.py", "CartPole-v1")]
-    for script in ("cleanba_ppo.py", "cleanba_pqn.py"):
+    (ppo_cartpole,) = glob.glob(str(cwd / "runs" / "CartPole-v1__*"))
+    cartpole_runs = {"cleanba_ppo.py": ppo_cartpole, "cleanba_pqn.py": one_thread_run.path}
+    for script, run_dir in cartpole_runs.items():
         (cartpole,) = [float(r["score"]) for r in rows if r["env_id"] == "CartPole-v1" and r["script"] == script]
         assert 9 <= cartpole <= 500
         with open(tmp_path / "games.md") as f:
             (row,) = [line for line in f if "CartPole-v1" in line and f"| {script[: -len('.py')]} |" in line]
         score, minutes, published = [cell.strip() for cell in row.strip().strip("|").split("|")][4:]
         assert float(score.split(" ± ")[0]) == pytest.approx(cartpole, abs=0.05)
-        assert 0 < float(minutes) < 5
+        # The run's wall-clock time, from its writer's start to its last return (a short run's may round to 0.0).
+        events = read_events(run_dir)
+        seconds = events.scalars["charts/episodic_return"][-1][2] - events.started
+        assert float(minutes) == pytest.approx(seconds / 60, abs=0.051) and float(minutes) < 5
         assert published.startswith(f"{aggregate.PUBLISHED[script, 'CartPole-v1'][0]:g} ± ")
     # Raw returns of different games are not on one scale: without Atari games there is nothing to aggregate.
     assert "no Atari game to aggregate over" in result.stdout
