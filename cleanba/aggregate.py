@@ -302,7 +302,8 @@ def write_table(path_stem: str, header: list[str], rows: list[list]):
             f.write("| " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in row) + " |\n")
 
 
-def main():
+def parse_args(argv=None):
+    """The flags, checked (what needs no run); exits 2 on bad input."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", help="directories holding runs (searched recursively)")
     parser.add_argument("--out", default="results", help="output directory")
@@ -311,10 +312,15 @@ def main():
     parser.add_argument(
         "--profiles", action=argparse.BooleanOptionalAction, default=True, help="performance profiles (profiles.png)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0 < args.last_fraction <= 1 or args.bootstrap <= 0:
         print("error: --last-fraction must lie in (0, 1] and --bootstrap be positive", file=sys.stderr)
         sys.exit(2)
+    return args
+
+
+def main():
+    args = parse_args()
     runs = load_runs(args.run_dirs)
     if not runs:
         print(f"error: no runs with episodic returns under {' '.join(args.run_dirs)}", file=sys.stderr)

@@ -54,7 +54,7 @@ def compare(updates_a: list[dict], updates_b: list[dict], num_updates: int | Non
     return dict(updates=n, first_fingerprint_mismatch=mismatch, max_relative_difference=max_difference)
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_a")
     parser.add_argument("run_b")
@@ -66,7 +66,11 @@ def main():
         default=NEAR_ZERO_RTOL,
         help="tolerance of loss, policy_loss, approx_kl and grad_norm",
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     runs = []
     for run_dir in (args.run_a, args.run_b):
         try:

@@ -155,7 +155,8 @@ def write_video(path: str, frames: list[np.ndarray]):
     imageio.mimwrite(path, frames, fps=FRAMES_PER_SECOND, macro_block_size=1)
 
 
-def main():
+def parse_args(argv=None):
+    """The flags, checked (what needs no run directory); exits 2 on bad input."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a run directory with config.json and the model saved by --save-model")
     parser.add_argument("--episodes", type=int, default=10, help="episodes to play")
@@ -165,13 +166,18 @@ def main():
     parser.add_argument(
         "--max-steps", type=int, default=None, help="with --video: cut each video after this many steps"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.episodes <= 0:
         parser.error("--episodes must be positive")
     if (args.gif or args.max_steps) and not args.video:
         parser.error("--gif and --max-steps shape videos: add --video")
     if args.max_steps is not None and args.max_steps <= 0:
         parser.error("--max-steps must be positive")
+    return args
+
+
+def main():
+    args = parse_args()
     if not glob.glob(os.path.join(args.run_dir, "*.cleanba_model")):
         print(f"error: {args.run_dir} holds no model (train with --save-model)", file=sys.stderr)
         sys.exit(2)

@@ -5,6 +5,7 @@ A tool for tests and result scripts; the algorithm scripts never import it.
     python cleanba/events.py runs/<run_name>        # prints the last value of every scalar
 """
 
+import argparse
 import os
 import sys
 from typing import NamedTuple
@@ -37,9 +38,20 @@ def read_scalars(run_dir: str, wall_time: bool = False) -> dict[str, list[tuple]
     return {tag: [p if wall_time else p[:2] for p in points] for tag, points in read_events(run_dir).scalars.items()}
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
-        print("usage: python cleanba/events.py RUN_DIR", file=sys.stderr)
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run directory (runs/<run_name>): its TensorBoard event files")
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
+    if not os.path.isdir(args.run_dir):
+        print(f"error: {args.run_dir} is not a directory", file=sys.stderr)
         sys.exit(2)
-    for tag, series in sorted(read_scalars(sys.argv[1]).items()):
+    for tag, series in sorted(read_scalars(args.run_dir).items()):
         print(f"{tag:40s} {len(series):6d} points, last {series[-1][1]:.6g} at step {series[-1][0]}")
+
+
+if __name__ == "__main__":
+    main()

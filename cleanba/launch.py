@@ -28,10 +28,8 @@ TEMPLATE = os.path.join(REPO, "cleanba.slurm_template")
 
 
 def parse_args(argv):
-    if "--" not in argv:
-        print("error: give the training command after `--` (e.g. -- python cleanba/cleanba_ppo.py)", file=sys.stderr)
-        sys.exit(2)
-    split = argv.index("--")
+    """The grid's flags and the command after `--`; exits 2 on bad input (--help: 0, with the usage)."""
+    split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-ids", nargs="+", required=True, help="environment ids of the grid")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="seeds of the grid")
@@ -57,6 +55,9 @@ def parse_args(argv):
     slurm.add_argument("--max-parallel", type=int, default=100, help="array tasks running at once")
     slurm.add_argument("--partition", default=None)
     slurm.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
+    if "--" not in argv and not {"-h", "--help"} & set(argv):  # --help: argparse prints the usage, exits 0
+        print("error: give the training command after `--` (e.g. -- python cleanba/cleanba_ppo.py)", file=sys.stderr)
+        sys.exit(2)
     args = parser.parse_args(argv[:split])
     args.command = argv[split + 1 :]
     problems = []

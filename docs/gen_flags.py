@@ -41,6 +41,9 @@ def default_text(node: ast.expr, source: str, script: str) -> str:
         for keyword in node.keywords:
             if keyword.arg == "default_factory" and isinstance(keyword.value, ast.Lambda):
                 return ast.unparse(keyword.value.body)
+            if keyword.arg == "default_factory":  # what calling it gives: list gives []
+                factory = ast.unparse(keyword.value)
+                return {"list": "[]", "dict": "{}", "tuple": "()"}.get(factory, f"{factory}()")
             if keyword.arg == "default":
                 return ast.unparse(keyword.value)
     text = ast.get_source_segment(source, node) or ast.unparse(node)
