@@ -108,6 +108,9 @@ class Args:
     process_id: Runtime[int | None] = None  # --distributed outside SLURM: this process's rank
     heartbeat_timeout: Runtime[int] = 25  # --distributed: seconds before the others give up on a silent process
     env_threads: Runtime[int] = 0  # EnvPool threads per actor thread; 0: a pinned, equal share of this process's CPUs
+    # A GPU actor's envs step while others' actions are inferred; on a CPU, the default's one pool is one program.
+    env_pools: Runtime[int] = 0  # EnvPools per actor thread, taking turns; 0: 2 on a GPU (if they split), 1 on a CPU
+    deterministic_gpu: Runtime[bool] = True  # XLA's deterministic GPU ops: the same command, the same run (off: faster)
 
 
 class Config(NamedTuple):
@@ -122,6 +125,7 @@ class Config(NamedTuple):
     actor_devices: list
     learner_devices: list  # global, over all processes, in rank order
     local_learner_devices: list
+    env_pools: int  # per actor thread
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -395,6 +399,7 @@ class EnvState(NamedTuple):
     episode_length: jax.Array
     discounted_return: jax.Array  # --norm-reward's statistic, each env's own
     step: jax.Array  # the actor's step counter: actions are sampled with a key of (step, global env index)
+    ids: jax.Array  # the envs' global indices
     core: jax.Array  # the policy's core state before this step (envs, 2, --lstm-size), what the learner replays from
 
 
@@ -402,33 +407,20 @@ def to_float32(tree):  # EnvPool's float64 (MuJoCo) as JAX computes without x64
     return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, tree)
 
 
-def env_step_op(envs, platform: str):
-    """(A handle, the envs' step) for a rollout on an actor device of `platform`: on a CPU, EnvPool's own XLA operation
-    (envs.xla()), which a jitted program runs; elsewhere EnvPool's Python step on host arrays. MuJoCo takes and returns
-    float64, which JAX only traces with x64 on: the operation is traced so, and both give float32 back."""
-    action_dtype = envs.spec.action_array_spec["action"].dtype
-    handle = np.zeros(1, np.uint8)  # on a GPU it orders nothing
-    if platform == "cpu":
-        with jax.enable_x64(True):
-            handle, _, _, xla_step = envs.xla()
-
-    def env_step(handle, action):
-        if platform == "cpu":
-            with jax.enable_x64(True):
-                return to_float32(xla_step(handle, action.astype(action_dtype)))
-        obs, reward, terminated, truncated, info = envs.step(np.asarray(action, action_dtype))
-        info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
-        return handle, to_float32((obs, reward, terminated, truncated, info))
-
-    return handle, env_step
+def receive(envs):  # a pool's step outputs (EnvPool's Python API), as its XLA operation gives them
+    obs, reward, terminated, truncated, info = envs.recv()
+    info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
+    return to_float32((obs, reward, terminated, truncated, info))
 
 
-def first_state(envs, handle, step: int, networks: Networks) -> EnvState:
-    """The state of a pool's envs just reset (host arrays), their actions keyed from `step` on, their core's zero."""
+def first_state(envs, handle, ids: np.ndarray, step: int, networks: Networks) -> EnvState:
+    """The state of a pool's envs (global indices `ids`) just reset (host arrays), their actions keyed from `step` on,
+    their core's zero."""
     obs, _ = envs.reset()
-    zeros = np.zeros(envs.config["num_envs"], np.float32)
-    core = np.zeros((len(zeros), 2, networks.core.width if networks.core else 0), np.float32)
-    return EnvState(handle, to_float32(obs), zeros > 0, zeros, zeros.astype(np.int32), zeros, np.int32(step), core)
+    zeros = np.zeros(len(ids), np.float32)
+    core = np.zeros((len(ids), 2, networks.core.width if networks.core else 0), np.float32)
+    episodes = zeros, zeros.astype(np.int32), zeros  # return, length, discounted return
+    return EnvState(handle, to_float32(obs), zeros > 0, *episodes, np.int32(step), ids, core)
 
 
 def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]:
@@ -443,36 +435,62 @@ def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]
     record.update(episode_returns=jnp.where(done, episode_return, 0.0), discounted_returns=discounted_return)
     record.update(episode_lengths=jnp.where(done, episode_length, 0))
     sums = [jnp.where(done, 0, x) for x in (episode_return, episode_length, discounted_return)]  # ended: start over
-    return EnvState(handle, next_obs, done, *sums, env.step + 1, env.core), record
+    return EnvState(handle, next_obs, done, *sums, env.step + 1, env.ids, env.core), record
 
 
-def compile_rollout(args: Args, act, env_step, bootstrap, platform: str):
-    """num_steps of `act`, `env_step`, `observe`, then `bootstrap`: (params, envs' state) -> (next state, batch (T,
-    envs, ...)). On a CPU one jitted program, EnvPool stepping in a lax.scan; on a GPU that scan gave wrong observations
-    and episode ends (README, "GPUs"): a Python loop of the same jitted functions (tests/test_scripts.py: the same)."""
+def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
+    """(EnvPool's handle, an actor thread's rollout): num_steps of `act`, the envs' step and `observe`, then
+    `bootstrap`, in each of its EnvPools: (params, the pools' states) -> (their next states, the batch (T, envs, ...)).
+    On a CPU with one pool: one jitted program, EnvPool's XLA step in a lax.scan. Else the pools take turns: a pool's
+    envs step on the host's cores while the next pool's actions are inferred (EnvPool's send and recv). The scan gave
+    wrong observations and episode ends on a GPU (README, "GPUs"); tests/test_scripts.py: both collect the same data."""
     act = jax.jit(act)
     observe_step = jax.jit(functools.partial(observe, args))
     bootstrap = jax.jit(bootstrap)
+    action_dtype = pools[0].spec.action_array_spec["action"].dtype
+    if platform == "cpu" and len(pools) == 1:
+        with jax.enable_x64(True):  # MuJoCo takes and gives float64, which JAX traces with x64 on only
+            handle, _, _, xla_step = pools[0].xla()
 
-    def step(params, env: EnvState, _=None):
-        action, policy, core = act(params, env)
-        handle, outputs = env_step(env.handle, action)
-        env, record = observe_step(env._replace(core=core), handle, outputs)
-        return env, {**policy, **record}
+        def step(params, env: EnvState, _=None):
+            action, policy, core = act(params, env)
+            with jax.enable_x64(True):
+                handle, outputs = to_float32(xla_step(env.handle, action.astype(action_dtype)))
+            env, record = observe_step(env._replace(core=core), handle, outputs)
+            return env, {**policy, **record}
 
-    def rollout(replica_params, env: EnvState):
+        def scanned(replica_params, states: list[EnvState]):
+            params = jax.tree.map(lambda x: x[0], replica_params)
+            env, batch = jax.lax.scan(functools.partial(step, params), states[0], length=args.num_steps)
+            return [env], bootstrap(params, env, batch)
+
+        return handle, jax.jit(scanned)
+
+    def in_turns(replica_params, states: list[EnvState]):
         params = jax.tree.map(lambda x: x[0], replica_params)
-        if platform == "cpu":
-            env, batch = jax.lax.scan(functools.partial(step, params), env, length=args.num_steps)
-        else:
-            records = []
-            for _ in range(args.num_steps):
-                env, record = step(params, env)
-                records.append(record)
-            batch = jax.tree.map(lambda *steps: jnp.stack(steps), *records)
-        return env, bootstrap(params, env, batch)
+        states = list(states)
+        records = [[] for _ in pools]
 
-    return jax.jit(rollout) if platform == "cpu" else rollout
+        def act_and_send(pool: int):  # the pool's envs start their step; what the batch records of the policy
+            action, policy, core = act(params, states[pool])
+            pools[pool].send(np.asarray(action, action_dtype))
+            return policy, core
+
+        acting = [act_and_send(pool) for pool in range(len(pools))]
+        for t in range(args.num_steps):
+            for pool, envs in enumerate(pools):
+                policy, core = acting[pool]
+                env = states[pool]._replace(core=core)
+                states[pool], record = observe_step(env, env.handle, receive(envs))
+                records[pool].append({**policy, **record})
+                if t + 1 < args.num_steps:
+                    acting[pool] = act_and_send(pool)
+        batches = []
+        for env, steps in zip(states, records, strict=True):
+            batches.append(bootstrap(params, env, jax.tree.map(lambda *step: jnp.stack(step), *steps)))
+        return states, jax.tree.map(lambda *pool: jnp.concatenate(pool, axis=1), *batches)
+
+    return np.zeros(1, np.uint8), in_turns  # a handle that orders nothing: EnvPool's Python API runs in order
 
 
 def split_groups(x, group_size: int, axis: int):
@@ -495,11 +513,10 @@ def in_groups(group_size: int, f, *arrays, axis: int = 0):
     return jax.tree.map(merge, jax.lax.map(lambda group: f(*group), groups))
 
 
-def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, platform: str):
-    """(EnvPool's handle, the actor's rollout) for the pool `envs`, whose global indices are `env_ids`."""
+def make_rollout(args: Args, networks: Networks, pools: list, platform: str):
+    """(EnvPool's handle, the actor's rollout) for an actor thread's EnvPools, on an actor device of `platform`."""
     action_key = jax.random.fold_in(jax.random.key(args.seed), ACTIONS)
-    handle, env_step = env_step_op(envs, platform)
-    space = envs.action_space
+    space = pools[0].action_space
 
     def act(params, env: EnvState):  # (the envs' actions, what the batch records of the policy, the next core state)
         # One key per (environment, step): the sampled actions do not depend on the layout.
@@ -514,25 +531,25 @@ def make_rollout(args: Args, networks: Networks, envs, env_ids: np.ndarray, plat
             # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
             return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy, next_core
 
-        return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env_ids)
+        return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env.ids)
 
     def bootstrap(params, env: EnvState, batch):  # the value of the last observation, to bootstrap from
         value = act(params, env)[1]["values"]
         return {**batch, "values": jnp.concatenate([batch["values"], value[None]])}
 
-    return handle, compile_rollout(args, act, env_step, bootstrap, platform)
+    return compile_rollout(args, act, bootstrap, pools, platform)
 
 
 class Actors:
     """The actor threads: each has its own EnvPool, inference on its actor device, and a params and a rollout queue
     of size 1. Any thread's failure (the learner's too) sets `stop`, which every queue operation checks."""
 
-    def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int):
+    def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int, stop: threading.Event):
         self.args = args
         self.cfg = cfg
         self.networks = networks
         self.start_update = start_update
-        self.stop = threading.Event()
+        self.stop = stop
         self.failures = []  # (thread name, traceback) of each thread that raised
         self.threads = []  # (thread, its device, its params queue, its rollout queue)
         for device_index, device in enumerate(cfg.actor_devices):
@@ -561,10 +578,14 @@ class Actors:
         args = self.args
         num_envs = args.local_num_envs
         env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
-        threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))
-        envs = make_env(args, num_envs, int(env_ids[0]), **threads)
-        handle, rollout = make_rollout(args, self.networks, envs, env_ids, device.platform)
-        env = jax.device_put(first_state(envs, handle, self.start_update * args.num_steps, self.networks), device)
+        threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))  # the thread's cores, for each pool
+        pools_ids = np.split(env_ids, self.cfg.env_pools)
+        pools = [make_env(args, len(ids), int(ids[0]), **threads) for ids in pools_ids]
+        handle, rollout = make_rollout(args, self.networks, pools, device.platform)
+        states = []
+        for envs, ids in zip(pools, pools_ids, strict=True):  # actions keyed from the step the run resumes at
+            states.append(first_state(envs, handle, ids, self.start_update * args.num_steps, self.networks))
+        states = jax.device_put(states, device)
         for update in range(self.start_update + 1, self.cfg.num_updates + 1):
             timings = {}
             # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
@@ -572,7 +593,7 @@ class Actors:
                 with timer(timings, "params_queue_get_time"):
                     params, version = self.blocking(params_queue.get)  # the learner put them on this device
             with timer(timings, "rollout_time"):
-                env, batch = rollout(params, env)
+                states, batch = rollout(params, states)
                 batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
             with timer(timings, "rollout_queue_put_time"):
                 self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
@@ -785,9 +806,7 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
 
 def main(args: Args):
     cfg, run_name, checkpoint = start_up(args)
-    signals = []  # SIGTERM (SLURM preemption) or SIGINT (Ctrl-C) from here on: checkpoint after the update, exit
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: signals.append(signum))
+    signals = StopSignals(cfg)  # SIGTERM (preemption), SIGINT (Ctrl-C): a checkpoint after the update, then exit
     spec = envpool.make_spec(args.env_id, **env_options(args))
     networks = make_networks(args, spec)
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
@@ -798,9 +817,7 @@ def main(args: Args):
         return
     run_dir = RunDir(args, cfg, run_name, start_update, schedule)
     update_fn = make_update(args, cfg, networks)
-    actors = Actors(args, cfg, networks, start_update)
-    # All processes stop after the same update, or one would wait forever in a collective of the next.
-    any_process = jax.pmap(lambda stop: jax.lax.psum(stop, "devices"), "devices", devices=cfg.learner_devices)
+    actors = Actors(args, cfg, networks, start_update, signals.stop)
 
     update = start_update
     try:
@@ -816,7 +833,7 @@ def main(args: Args):
             if update < cfg.num_updates:
                 actors.publish(replica(state.params), update + 1)
             run_dir.log(update, data_version, record, timings, rollouts, state)
-            if stop_requested(cfg, signals, any_process):
+            if signals.after_update():
                 break
             run_dir.checkpoint(state, update, if_due=True)
             run_dir.report(update=update, checkpoint=run_dir.last_checkpoint)
@@ -856,7 +873,7 @@ def check_args(args: Args):
     for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["checkpoint_interval", "env_threads", "lstm_size", "layout_free_group_size"]:  # 0: none, auto, off
+    for name in ["checkpoint_interval", "env_threads", "env_pools", "lstm_size", "layout_free_group_size"]:  # 0: auto
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
@@ -917,6 +934,15 @@ def derive_config(args: Args) -> Config:
         envs = f"--local-num-envs {args.local_num_envs} and each learner device's environments"
         need = f"two groups or more in each actor thread and learner device: {envs} must be multiples of {2 * group}"
         raise ConfigError(f"--layout-free-group-size {group}: {need}")
+    pools = args.env_pools
+    if not pools:  # 2 on a GPU where they split evenly: a pool's envs step while the other's actions are inferred
+        even_split = args.local_num_envs % (2 * (2 * group or 1)) == 0
+        pools = 2 if local_devices[args.actor_device_ids[0]].platform != "cpu" and even_split else 1
+    if args.local_num_envs % pools or (group and args.local_num_envs // pools % (2 * group)):
+        need = f"--local-num-envs {args.local_num_envs} must split into {pools} pools of equal size"
+        if group:
+            need += f", each a multiple of 2 x --layout-free-group-size ({2 * group})"
+        raise ConfigError(f"--env-pools {pools}: {need}")
     num_envs = envs_per_process * world_size
     batch_size = num_envs * args.num_steps
     if args.total_timesteps < batch_size:
@@ -926,9 +952,8 @@ def derive_config(args: Args) -> Config:
     local_learners = [local_devices[i] for i in args.learner_device_ids]
     num_updates = args.total_timesteps // batch_size
     offset = jax.process_index() * envs_per_process
-    return Config(
-        world_size, jax.process_index(), num_envs, batch_size, num_updates, offset, actors, learners, local_learners
-    )
+    rank = jax.process_index()
+    return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners, pools)
 
 
 def algorithm_config(args: Args, cfg: Config) -> dict:
@@ -939,6 +964,11 @@ def algorithm_config(args: Args, cfg: Config) -> dict:
 
 def start_up(args: Args) -> tuple[Config, str, dict | None]:
     """Checks the arguments, joins the other processes, reads the checkpoint. Bad input: one line, exit 2."""
+    # Read by XLA when its backend starts (jax.distributed or the first device below); a setting of the user's stays.
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops" not in xla_flags:
+        deterministic = f"--xla_gpu_deterministic_ops={str(args.deterministic_gpu).lower()}"
+        os.environ["XLA_FLAGS"] = f"{xla_flags} {deterministic}".strip()
     with refusing_bad_input():
         check_args(args)
         if args.compilation_cache_dir:
@@ -1096,12 +1126,33 @@ def to_host(tree):  # one replica of a tree that pmap keeps on every learner dev
     return jax.tree.map(lambda x: x[0], jax.device_get(replica(tree)))
 
 
-def stop_requested(cfg: Config, signals: list, any_process) -> bool:
-    """Whether a stop signal reached this process, or with several processes any of them (all stop together)."""
-    if cfg.world_size == 1:
-        return bool(signals)
-    stop = np.full(len(cfg.local_learner_devices), bool(signals), np.int32)
-    return bool(to_host(any_process(stop)))
+class StopSignals:
+    """SIGTERM (SLURM's preemption) and SIGINT (Ctrl-C). After an update the run stops with a checkpoint, every process
+    after the same update. Before the first there is nothing to save: `stop`, which every queue operation checks, ends
+    the start-up at once (finish)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.received = []
+        self.updates_done = 0
+        self.stop = threading.Event()  # set by a thread's failure too
+        # All processes stop after the same update, or one would wait forever in a collective of the next.
+        self.any_process = jax.pmap(lambda stop: jax.lax.psum(stop, "devices"), "devices", devices=cfg.learner_devices)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.receive)
+
+    def receive(self, signum, frame):
+        self.received.append(signum)
+        if not self.updates_done:
+            self.stop.set()
+
+    def after_update(self) -> bool:
+        """Whether to stop now: a signal reached this process, or with several processes any of them."""
+        self.updates_done += 1
+        if self.cfg.world_size == 1:
+            return bool(self.received)
+        stop = np.full(len(self.cfg.local_learner_devices), bool(self.received), np.int32)
+        return bool(to_host(self.any_process(stop)))
 
 
 class RunDir:
@@ -1245,9 +1296,17 @@ class RunDir:
             self.wandb.finish()
 
 
-def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: list, state: TrainState, update: int):
+def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, state: TrainState, update: int):
     """Stops every thread and exits: 1 after a failure (its traceback once), 128 + signal after a stop signal."""
     actors.stop.set()
+    if signals.received and not signals.updates_done:  # nothing new to save: exit at once, threads still compiling
+        # (a signal to the process group, as SLURM's, also fails XLA's compiler processes in them: not an error)
+        run_dir.close(finished=False)
+        name = signal.Signals(signals.received[0]).name
+        if cfg.rank == 0:
+            print(f"stopped by {name} during start-up, before update {run_dir.start_update + 1}: nothing new to save")
+        sys.stdout.flush()
+        os._exit(128 + signals.received[0])
     failed = bool(actors.failures)
     if not failed:  # first: the learner's state does not wait for the actors
         run_dir.checkpoint(state, update)
@@ -1256,9 +1315,9 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals: li
         print(f"error in thread {name}:\n{trace}", file=sys.stderr)
     preempted = not failed and update < cfg.num_updates
     # The shell's convention for a process a signal stopped (SIGTERM when another process was).
-    signum = signals[0] if signals else signal.SIGTERM
+    signum = signals.received[0] if signals.received else signal.SIGTERM
     if preempted and cfg.rank == 0:
-        by = signal.Signals(signum).name if signals else "another process"
+        by = signal.Signals(signum).name if signals.received else "another process"
         resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
         print(f"stopped by {by} after update {update} (global step {update * cfg.batch_size:,}); {resume}")
     if cfg.rank == 0 and args.save_model and not failed and not preempted:  # for cleanba/evaluate.py

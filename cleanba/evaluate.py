@@ -94,12 +94,12 @@ def on_actor_axis(params):  # the device axis the actors' rollout takes
 def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float]:
     script, args, networks = load_run(run_dir, seed)
     envs = script.make_env(args, 1, EVAL_ENV_INDEX)
-    handle, rollout = script.make_rollout(args, networks, envs, np.array([EVAL_ENV_INDEX]), jax.default_backend())
+    handle, rollout = script.make_rollout(args, networks, [envs], jax.default_backend())
     params = saved_params(run_dir, args.exp_name)
-    env = script.first_state(envs, handle, 0, networks)
+    states = [script.first_state(envs, handle, np.array([EVAL_ENV_INDEX]), 0, networks)]
     returns = []
     while len(returns) < episodes:  # the returns of the episodes that ended in each rollout, in order
-        env, batch = rollout(params, env)
+        states, batch = rollout(params, states)
         batch = jax.device_get(batch)
         returns += batch["episode_returns"][batch["dones"] & batch["valid"]].tolist()
     return returns[:episodes]
@@ -116,16 +116,15 @@ class Recorder:
         self.args.num_steps = 1
         self.max_frames = max_frames  # an episode longer than this is cut (its video ends there)
         self.envs = self.script.make_env(self.args, 1, EVAL_ENV_INDEX, render_mode="rgb_array")
-        env_ids = np.array([EVAL_ENV_INDEX])
-        handle, self.rollout = self.script.make_rollout(self.args, networks, self.envs, env_ids, jax.default_backend())
+        handle, self.rollout = self.script.make_rollout(self.args, networks, [self.envs], jax.default_backend())
         self.networks = networks
-        self.env = self.script.first_state(self.envs, handle, 0, networks)
+        self.states = [self.script.first_state(self.envs, handle, np.array([EVAL_ENV_INDEX]), 0, networks)]
         self.frames = [self.envs.render()[0]]
 
     def episode(self, params) -> tuple[list[np.ndarray], float]:
         """(The frames of the next episode, from its reset to its last step; its return)."""
         while True:
-            self.env, batch = self.rollout(params, self.env)
+            self.states, batch = self.rollout(params, self.states)
             batch = jax.device_get(batch)
             if not batch["valid"][0, 0]:  # EnvPool's reset step: a new episode's first frame
                 self.frames = [self.envs.render()[0]]
@@ -135,8 +134,11 @@ class Recorder:
                 return self.frames, float(batch["episode_returns"][0, 0])
             if self.max_frames and len(self.frames) >= self.max_frames:  # cut: the next episode starts afresh
                 frames = self.frames
-                step = int(jax.device_get(self.env.step))
-                self.env = self.script.first_state(self.envs, self.env.handle, step, self.networks)
+                [env] = self.states
+                step = int(jax.device_get(env.step))
+                self.states = [
+                    self.script.first_state(self.envs, env.handle, np.array([EVAL_ENV_INDEX]), step, self.networks)
+                ]
                 self.frames = [self.envs.render()[0]]
                 return frames, float("nan")
 

@@ -20,6 +20,7 @@ import pytest
 import tyro
 from conftest import SYNC_FLAGS
 from helpers import (
+    BREAKOUT,
     CARTPOLE,
     SCRIPTS,
     command,
@@ -160,6 +161,22 @@ def test_a_new_flag_keeps_runs_and_an_unusable_checkpoint_is_refused(sync_run, t
     cut_short = run(cwd, *SYNC_FLAGS, shared_cache=False)
     assert refusal(cut_short).startswith("error: --run-name sync: runs/sync/checkpoint.msgpack cannot be read (")
     assert sorted(str(p) for p in cwd.rglob("*") if ".compilation_cache" not in str(p)) == files
+
+
+def test_a_stop_signal_during_start_up_ends_in_one_line(tmp_path):
+    """SIGTERM to the process group, as SLURM and `timeout` send it (it reaches XLA's compiler processes too), while
+    the actors start and compile, before the first update: the usual one line and exit status, no thread's
+    traceback, no checkpoint, no process left behind."""
+    proc = start(tmp_path, *BREAKOUT, "--local-num-envs", 2, "--num-actor-threads", 1, "--total-timesteps", 320)
+    for line in proc.stdout:
+        if line.startswith("devices:"):  # the run directory is made; the actors start next
+            break
+    os.killpg(proc.pid, signal.SIGTERM)
+    output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert output.strip() == "stopped by SIGTERM during start-up, before update 1: nothing new to save", output
+    assert not list(tmp_path.rglob("checkpoint.msgpack*"))
+    assert session_processes(proc.pid) == []
 
 
 def test_interrupted_checkpoint_writes_are_never_read(tmp_path):

@@ -114,14 +114,26 @@ LAYOUT_FREE_FLAGS = {
 
 def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
     """With --layout-free-group-size every sum over envs is made of groups computed with the same shapes and added in
-    global env order, and the actors act group by group: 1 actor thread and learner device, and 3 threads with the
-    learner on 3 devices, and 2 processes, give the same run bit for bit (every fingerprint, loss and logged metric).
-    PPO's runs have an LSTM per tower."""
+    global env order, and the actors act group by group: 1 actor thread of 1 EnvPool (compiled with it) and learner
+    device, 3 threads of 2 EnvPools each (stepped in turns, as on a GPU) with the learner on 3 devices, and 2
+    processes, give the same run bit for bit (every fingerprint, loss and logged metric). PPO's: an LSTM per tower."""
     flags = [*LAYOUT_FREE.split(), *LAYOUT_FREE_FLAGS[algo].split()]
     for name in ("one", "spread"):
         os.makedirs(tmp_path / name)
     one = trained(*flags, "--local-num-envs", 24, "--num-actor-threads", 1, algo=algo)(tmp_path / "one")
-    spread = [*flags, "--local-num-envs", 8, "--num-actor-threads", 3, "--learner-device-ids", 0, 1, 2]
+    spread = [
+        *flags,
+        "--local-num-envs",
+        8,
+        "--num-actor-threads",
+        3,
+        "--env-pools",
+        2,
+        "--learner-device-ids",
+        0,
+        1,
+        2,
+    ]
     assert_bitwise_identical(one, trained(*spread, num_devices=3, algo=algo)(tmp_path / "spread"))
     assert len({record["fingerprint"] for record in one.records}) == 10
     processes = [*flags, "--local-num-envs", 12, "--num-actor-threads", 1]

@@ -243,6 +243,23 @@ def test_a_gpu_jax_cannot_see_is_refused(tmp_path):
     assert "devices: 1 cpu (cpu)" in wanted.stdout and "update 2/2" in wanted.stdout
 
 
+def test_deterministic_gpu_ops_reach_the_compiler(tmp_path):
+    """The same command twice on a GPU is the same run only with XLA's deterministic GPU ops, which the scripts set
+    themselves (XLA_FLAGS, before the backend starts; a setting of the user's stays): every program compiled carries
+    the option, on by default, off with --no-deterministic-gpu. XLA writes each program's options beside its dump."""
+    for flags, deterministic in [([], True), (["--no-deterministic-gpu"], False)]:
+        dump = tmp_path / f"dump_{deterministic}"
+        env = script_env()
+        # Without a setting of its own (a script's start_up run in this process would have left one).
+        xla_flags = [flag for flag in env.get("XLA_FLAGS", "").split() if "deterministic" not in flag]
+        env["XLA_FLAGS"] = " ".join([*xla_flags, f"--xla_dump_to={dump}"])
+        flags += ["--no-resume", "--compilation-cache-dir", "None"]  # every program compiled, none from a cache
+        check(run(tmp_path, *CARTPOLE, "--total-timesteps", 256, *flags, env=env, shared_cache=False))
+        options = [path.read_text() for path in dump.glob("*.debug_options")]
+        assert len(options) >= 5  # the rollout, the update, the initialisation...
+        assert all(("xla_gpu_deterministic_ops: true" in text) == deterministic for text in options)
+
+
 def test_environment_threads_share_the_cpus(algo):
     """Each actor thread's EnvPool gets an equal share of the CPUs the process may use, pinned to them when their
     ids are consecutive; --env-threads sets the number instead (unpinned). EnvPool takes the settings."""
@@ -311,26 +328,32 @@ GPU_LOOP_CASES = {
 @pytest.mark.filterwarnings("ignore:.*precision lowered:UserWarning")  # EnvPool's float64 bounds (see the scripts)
 @pytest.mark.parametrize("algo, flags", [(algo, flags) for algo, cases in GPU_LOOP_CASES.items() for flags in cases])
 def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flags):
-    """On a CPU the rollout is one compiled program with EnvPool stepping inside it; on a GPU a Python loop steps
-    the envs between jitted calls of the same functions (compile_rollout says why). CI has no GPU: here both run on
-    the CPU, from the same seed, and must collect the same batches (a Gaussian's log-probabilities may round apart
-    in the last bit: the policy is compiled into another program)."""
+    """On a CPU the rollout is one compiled program with EnvPool stepping inside it; on a GPU the actor thread's envs
+    are split into pools that take turns between jitted calls of the same functions (compile_rollout says why). CI
+    has no GPU: here all run on the CPU from the same seed, one pool of 4 compiled, and in a loop 1 pool of 4 and 2
+    pools of 2, and must collect the same batches (a Gaussian's log-probabilities may round apart in the last bit:
+    the policy is compiled into another program)."""
     script = load_script(algo)
     args, _, _, networks, state = script_parts(script, *flags.split(), "--num-steps", 16, "--num-minibatches", 4)
     batches = {}
-    for platform in ("cpu", "gpu"):
-        envs = script.make_env(args, 4, 0)
-        handle, rollout = script.make_rollout(args, networks, envs, np.arange(4), platform)
-        env, batches[platform] = script.first_state(envs, handle, 0, networks), []
+    for platform, num_pools in [("cpu", 1), ("gpu", 1), ("gpu", 2)]:
+        pools_ids = np.split(np.arange(4), num_pools)
+        pools = [script.make_env(args, len(ids), int(ids[0])) for ids in pools_ids]
+        handle, rollout = script.make_rollout(args, networks, pools, platform)
+        states = [
+            script.first_state(envs, handle, ids, 0, networks) for envs, ids in zip(pools, pools_ids, strict=True)
+        ]
+        batches[platform, num_pools] = []
         for _ in range(3):
-            env, batch = rollout(script.replica(state.params), env)
-            batches[platform].append(jax.device_get(batch))
-    for compiled, loop in zip(batches["cpu"], batches["gpu"], strict=True):
-        assert jax.tree.structure(compiled) == jax.tree.structure(loop)
-        for (path, x), y in zip(jax.tree.leaves_with_path(compiled), jax.tree.leaves(loop), strict=True):
-            if path[0].key == "logprobs":
-                np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
-            else:
-                np.testing.assert_array_equal(y, x, err_msg=jax.tree_util.keystr(path))
+            states, batch = rollout(script.replica(state.params), states)
+            batches[platform, num_pools].append(jax.device_get(batch))
+    for loop in [("gpu", 1), ("gpu", 2)]:
+        for compiled, looped in zip(batches["cpu", 1], batches[loop], strict=True):
+            assert jax.tree.structure(compiled) == jax.tree.structure(looped)
+            for (path, x), y in zip(jax.tree.leaves_with_path(compiled), jax.tree.leaves(looped), strict=True):
+                if path[0].key == "logprobs":
+                    np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
+                else:
+                    np.testing.assert_array_equal(y, x, err_msg=f"{loop} {jax.tree_util.keystr(path)}")
     if args.env_id == "CartPole-v1":  # episode ends and EnvPool's reset steps are among the steps compared
-        assert all(batch["dones"].any() and not batch["valid"].all() for batch in batches["cpu"][1:])
+        assert all(batch["dones"].any() and not batch["valid"].all() for batch in batches["cpu", 1][1:])

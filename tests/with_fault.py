@@ -33,17 +33,15 @@ def announce():
 
 
 def with_actor_fault(make_rollout):
-    def faulty_make_rollout(args, networks, envs, env_ids, platform):
-        handle, rollout = make_rollout(args, networks, envs, env_ids, platform)
-        if env_ids[0] != 0:  # only the first actor thread fails
-            return handle, rollout
+    def faulty_make_rollout(args, networks, pools, platform):
+        handle, rollout = make_rollout(args, networks, pools, platform)
         updates = iter(range(1, 2**31))  # a fresh run's rollouts, one per update
 
-        def faulty_rollout(params, env):
-            if next(updates) == due:
+        def faulty_rollout(params, states):
+            if next(updates) == due and states[0].ids[0] == 0:  # only the first actor thread fails
                 announce()
                 raise RuntimeError(f"CLEANBA_FAULT: injected actor failure at update {due}")
-            return rollout(params, env)
+            return rollout(params, states)
 
         return handle, faulty_rollout
 

@@ -176,7 +176,7 @@ def env_ceiling(algo, args, num_threads: int, seconds: float) -> float:
 def actor_alone(algo, args, cfg, networks, replica_params, rollouts: int):
     """The script's actor threads collecting `rollouts` rollouts each, fed the same parameters and nobody
     training. Returns (steps/s after the first rollout, the first rollouts)."""
-    actors = algo.Actors(args, cfg, networks, start_update=0)
+    actors = algo.Actors(args, cfg, networks, 0, threading.Event())
     try:
         actors.publish(replica_params, 1)
         received, start = [], None
