@@ -449,7 +449,7 @@ def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
     `bootstrap`, in each of its EnvPools: (params, the pools' states) -> (their next states, the batch (T, envs, ...)).
     On a CPU with one pool: one jitted program, EnvPool's XLA step in a lax.scan. Else the pools take turns: a pool's
     envs step on the host's cores while the next pool's actions are inferred (EnvPool's send and recv). The scan gave
-    wrong observations and episode ends on a GPU (README, "GPUs"); tests/test_scripts.py: both collect the same data."""
+    wrong data on a GPU (docs/notes/compiled-rollout.md); tests/test_scripts.py: both collect the same data."""
     act = jax.jit(act)
     observe_step = jax.jit(functools.partial(observe, args))
     bootstrap = jax.jit(bootstrap)
