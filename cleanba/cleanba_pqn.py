@@ -34,11 +34,6 @@ import traceback
 import warnings
 from typing import Annotated, NamedTuple, TypeVar
 
-# --distributed runs this as cleanba/supervise.py's child (a lost process in one line); before the imports: ~2 s saved.
-if __name__ == "__main__" and "--distributed" in sys.argv[1:] and not os.environ.get("CLEANBA_SUPERVISED"):
-    if os.path.exists(supervisor := os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")):
-        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
-
 import envpool
 import flax
 import flax.linen as nn
@@ -64,17 +59,6 @@ Runtime = Annotated[T, "runtime"]  # where the run executes and how it logs: a r
 class Args:
     exp_name: Algorithm[str] = os.path.basename(__file__)[: -len(".py")]  # this experiment's name (in the run name)
     seed: Algorithm[int] = 1  # seed of the experiment: environments, action sampling, initialisation and minibatches
-    track: Runtime[bool] = False  # mirror the TensorBoard logs to Weights & Biases (honours WANDB_MODE=offline)
-    wandb_project_name: Runtime[str] = "cleanba"  # the Weights & Biases project
-    wandb_entity: Runtime[str | None] = None  # the Weights & Biases entity (team); None uses your default
-    save_model: Runtime[bool] = False  # save the final parameters in the run directory (for cleanba/evaluate.py)
-    capture_video: Runtime[bool] = False  # record the agent at each checkpoint: videos/, TensorBoard (record.py)
-    log_frequency: Runtime[int] = 10  # log to TensorBoard and the console every this many updates
-    run_name: Runtime[str | None] = None  # under runs/; default: env id, exp name, seed, config hash (a rerun resumes)
-    resume: Runtime[bool] = True  # resume from runs/<run_name>/checkpoint.msgpack if it exists; --no-resume: start over
-    checkpoint_interval: Runtime[int] = 100  # checkpoint every this many updates (0: by --checkpoint-minutes only)
-    checkpoint_minutes: Runtime[float] = 15.0  # also write a checkpoint this many minutes after the last one
-    compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"  # resumed runs skip compiling (None: off)
     # The algorithm's defaults are the paper's Atari settings (Gallici et al., 2024, appendix).
     env_id: Algorithm[str] = "Breakout-v5"  # an EnvPool id with discrete actions: Atari (*-v5), MiniGrid, CartPole
     total_timesteps: Algorithm[int] = 10_000_000  # environment steps over all environments (not Atari frames)
@@ -97,6 +81,18 @@ class Args:
     concurrency: Algorithm[bool] = False  # Cleanba's architecture (actors a version behind, overlapping the learner)
     # Bit for bit the same run on any layout giving each actor thread and learner device 2+ groups (slower); 0: off.
     layout_free_group_size: Algorithm[int] = 0  # envs per group computed with fixed shapes, sums added in a fixed order
+    # How the run records itself: logs, checkpoints, compilation cache.
+    track: Runtime[bool] = False  # mirror the TensorBoard logs to Weights & Biases (honours WANDB_MODE=offline)
+    wandb_project_name: Runtime[str] = "cleanba"  # the Weights & Biases project
+    wandb_entity: Runtime[str | None] = None  # the Weights & Biases entity (team); None uses your default
+    save_model: Runtime[bool] = False  # save the final parameters in the run directory (for cleanba/evaluate.py)
+    capture_video: Runtime[bool] = False  # record the agent at each checkpoint: videos/, TensorBoard (record.py)
+    log_frequency: Runtime[int] = 10  # log to TensorBoard and the console every this many updates
+    run_name: Runtime[str | None] = None  # under runs/; default: env id, exp name, seed, config hash (a rerun resumes)
+    resume: Runtime[bool] = True  # resume from runs/<run_name>/checkpoint.msgpack if it exists; --no-resume: start over
+    checkpoint_interval: Runtime[int] = 100  # checkpoint every this many updates (0: by --checkpoint-minutes only)
+    checkpoint_minutes: Runtime[float] = 15.0  # also write a checkpoint this many minutes after the last one
+    compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"  # resumed runs skip compiling (None: off)
     # The layout: where the run executes, never what it computes.
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
     learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # data-parallel learner
@@ -271,27 +267,6 @@ def make_networks(args: Args, spec) -> Networks:
     parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
     # A dict's discrete values (Discrete(n): shape ()) are one-hot encoded; n of MultiBinary is a shape.
     discrete_sizes = tuple(getattr(part, "n", 0) if part.shape == () else 0 for part in parts.values())
-    for part, size in zip(parts.values(), discrete_sizes, strict=True):
-        rank = len(part.shape or ())
-        discrete = size > 0 and part is not space  # a dict's discrete value
-        frames = rank == 3 and part is space and part.dtype == np.uint8 and part.shape[0] < min(part.shape[1:])
-        grid = rank == 3 and part is not space and part.dtype == np.uint8  # a dict's grid of cell ids (MiniGrid's)
-        if not (rank == 1 or discrete or frames or grid):
-            what = "vectors, uint8 frames (channels first) and dicts of vectors, discrete values and uint8 grids"
-            raise ConfigError(f"--env-id {args.env_id}: the networks encode {what}, not {part}")
-    if not hasattr(spec.action_space, "n"):
-        raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
-    if getattr(spec.config, "max_num_players", 1) > 1:
-        raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
-    if args.mask_obs and len(space.shape or ()) != 1:
-        raise ConfigError(f"--mask-obs hides components of a vector observation, not of {space}")
-    if args.mask_obs and not all(0 <= i < space.shape[0] for i in args.mask_obs):
-        raise ConfigError(f"--mask-obs {args.mask_obs}: the observation's components are 0 to {space.shape[0] - 1}")
-    grids = [part.shape for part in parts.values() if len(part.shape or ()) == 3 and part is not space]
-    if args.view_size and grids != [(7, 7, 3)]:
-        raise ConfigError(f"--view-size crops MiniGrid's 7x7 view of cells; --env-id {args.env_id} has none")
-    if args.view_size and args.view_size not in (3, 5, 7):
-        raise ConfigError(f"--view-size {args.view_size}: the view around the agent is 3, 5 or 7 cells a side")
     if len(space.shape or ()) == 3:
         torso = ResNet(q_network=True)
     else:
@@ -321,7 +296,11 @@ def forward(networks: Networks, params, obs, core_state, reset_after):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The actors: a rollout per update, with the parameters the learner published last
+# The rollout. Each actor thread (Actors, below the signpost) makes its EnvPools (make_env), their first_state, and
+# once its rollout (make_rollout): the policy's `act` on a group of envs and `bootstrap`, what the learner needs after
+# the last step, go to compile_rollout, which runs act -> the envs' step -> observe (the envs' next state and what the
+# batch records) num_steps times, then bootstrap. Per update, with the parameters the learner published last, the
+# thread calls rollout(params, states) and puts a Rollout on its queue; collate puts the threads' batches together.
 class Rollout(NamedTuple):
     """What an actor thread puts on its rollout queue: one update's data from its environments."""
 
@@ -493,84 +472,6 @@ def make_rollout(args: Args, networks: Networks, pools: list, platform: str):
     return compile_rollout(args, act, bootstrap, pools, platform)
 
 
-class Actors:
-    """The actor threads: each has its own EnvPool, inference on its actor device, and a params and a rollout queue
-    of size 1. Any thread's failure (the learner's too) sets `stop`, which every queue operation checks."""
-
-    def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int, stop: threading.Event):
-        self.args = args
-        self.cfg = cfg
-        self.networks = networks
-        self.start_update = start_update
-        self.stop = stop
-        self.failures = []  # (thread name, traceback) of each thread that raised
-        self.threads = []  # (thread, its device, its params queue, its rollout queue)
-        for device_index, device in enumerate(cfg.actor_devices):
-            for thread_index in range(args.num_actor_threads):
-                queues = queue.Queue(maxsize=1), queue.Queue(maxsize=1)  # parameters in, rollouts out
-                thread_id = device_index * args.num_actor_threads + thread_index
-                name = f"actor-{device_index}-{thread_index}"
-                thread = threading.Thread(target=self.run, args=(thread_id, device, *queues), name=name, daemon=True)
-                self.threads.append((thread, device, *queues))
-                thread.start()  # it waits for the first parameters
-
-    def run(self, *rollout_args):
-        try:
-            self.rollout(*rollout_args)
-        except StopRequested:
-            pass
-        except BaseException:
-            self.fail()
-
-    def fail(self):  # records the exception this thread is handling, and stops every thread
-        self.failures.append((threading.current_thread().name, traceback.format_exc()))
-        self.stop.set()
-
-    def rollout(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
-        """One actor thread: a rollout per update, with the parameters the learner published for it."""
-        args = self.args
-        num_envs = args.local_num_envs
-        env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
-        threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))  # the thread's cores, for each pool
-        pools_ids = np.split(env_ids, self.cfg.env_pools)
-        pools = [make_env(args, len(ids), int(ids[0]), **threads) for ids in pools_ids]
-        handle, rollout = make_rollout(args, self.networks, pools, device.platform)
-        states = []
-        for envs, ids in zip(pools, pools_ids, strict=True):  # actions keyed from the step the run resumes at
-            states.append(first_state(envs, handle, ids, self.start_update * args.num_steps, self.networks))
-        states = jax.device_put(states, device)
-        for update in range(self.start_update + 1, self.cfg.num_updates + 1):
-            timings = {}
-            # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
-            if not args.concurrency or update != self.start_update + 2:
-                with timer(timings, "params_queue_get_time"):
-                    params, version = self.blocking(params_queue.get)  # the learner put them on this device
-            with timer(timings, "rollout_time"):
-                states, batch = rollout(params, states)
-                batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
-            with timer(timings, "rollout_queue_put_time"):
-                self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
-
-    def publish(self, replica_params, version: int):  # once per actor device (the learner's: nothing to copy)
-        on_device = {device: jax.device_put(replica_params, device) for device in self.cfg.actor_devices}
-        for _, device, params_queue, _ in self.threads:
-            self.blocking(params_queue.put, (on_device[device], version))
-
-    def collect(self) -> list[Rollout]:
-        return [self.blocking(rollout_queue.get) for *_, rollout_queue in self.threads]
-
-    def join(self, timeout: float):
-        deadline = time.time() + timeout
-        for thread, *_ in self.threads:
-            thread.join(timeout=max(0.0, deadline - time.time()))
-
-    def blocking(self, queue_operation, *item):  # a queue's put or get, retried until it succeeds or the run stops
-        while not self.stop.is_set():
-            with contextlib.suppress(queue.Full, queue.Empty):
-                return queue_operation(*item, timeout=1.0)
-        raise StopRequested
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The learner: targets, loss and update
 def global_sum(group_size: int, f, *arrays):
@@ -699,6 +600,31 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
     return TrainState.create(apply_fn=None, params=params, tx=tx), schedule
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The main loop: the actors' batches in, an update, the new parameters out
+def collate(rollouts: list[Rollout], devices: int) -> dict:
+    """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
+    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *[r.batch for r in rollouts])
+
+    def split(x):  # (T, envs, ...) -> (devices, T, envs / devices, ...); no -1: states of size 0 without a core
+        return np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)
+
+    batch = jax.tree.map(split, batch)
+    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
+    return batch
+
+
+def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
+    """One update: (new state, its record for updates.jsonl). A non-finite loss stops the run before any use of it."""
+    new_state, *results = update_fn(state, batch, update)
+    losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
+    for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
+        if not np.isfinite(value):
+            last = f"the last good checkpoint is the one after update {last_checkpoint}"
+            raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
+    return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
+
+
 def main(args: Args):
     cfg, run_name, checkpoint = start_up(args)
     signals = StopSignals(cfg)  # SIGTERM (preemption), SIGINT (Ctrl-C): a checkpoint after the update, then exit
@@ -740,7 +666,8 @@ def main(args: Args):
 
 
 # =====================================================================================================================
-# The algorithm ends here. Below: start-up checks, the run directory, checkpoints, failure handling, fingerprints.
+# The algorithm ends here. Below: start-up checks, the actor threads and their queues, checkpoints, stop signals and
+# failures, the run directory and its logs, fingerprints.
 # =====================================================================================================================
 class ConfigError(ValueError):
     """Bad input: reported as one line and exit status 2, before anything is created."""
@@ -790,10 +717,31 @@ def check_args(args: Args):
     try:  # EnvPool imports a family's module when it makes its first spec (Procgen needs the Qt 5 runtime)
         spec = envpool.make_spec(args.env_id, **env_options(args))
     except (ImportError, RuntimeError) as error:
-        raise ConfigError(
-            f"--env-id {args.env_id}: EnvPool cannot make it here: {str(error).splitlines()[0]}"
-        ) from None
-    make_networks(args, spec)  # refuses what the Q-network cannot encode or act on
+        reason = str(error).splitlines()[0]
+        raise ConfigError(f"--env-id {args.env_id}: EnvPool cannot make it here: {reason}") from None
+    space = spec.observation_space  # what the Q-network can encode and act on, and the flags that apply to it
+    parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
+    for part in parts.values():
+        rank = len(part.shape or ())
+        discrete = hasattr(part, "n") and part.shape == () and part is not space  # a dict's discrete value
+        frames = rank == 3 and part is space and part.dtype == np.uint8 and part.shape[0] < min(part.shape[1:])
+        grid = rank == 3 and part is not space and part.dtype == np.uint8  # a dict's grid of cell ids (MiniGrid's)
+        if not (rank == 1 or discrete or frames or grid):
+            what = "vectors, uint8 frames (channels first) and dicts of vectors, discrete values and uint8 grids"
+            raise ConfigError(f"--env-id {args.env_id}: the networks encode {what}, not {part}")
+    if not hasattr(spec.action_space, "n"):
+        raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
+    if getattr(spec.config, "max_num_players", 1) > 1:
+        raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
+    if args.mask_obs and len(space.shape or ()) != 1:
+        raise ConfigError(f"--mask-obs hides components of a vector observation, not of {space}")
+    if args.mask_obs and not all(0 <= i < space.shape[0] for i in args.mask_obs):
+        raise ConfigError(f"--mask-obs {args.mask_obs}: the observation's components are 0 to {space.shape[0] - 1}")
+    grids = [part.shape for part in parts.values() if len(part.shape or ()) == 3 and part is not space]
+    if args.view_size and grids != [(7, 7, 3)]:
+        raise ConfigError(f"--view-size crops MiniGrid's 7x7 view of cells; --env-id {args.env_id} has none")
+    if args.view_size and args.view_size not in (3, 5, 7):
+        raise ConfigError(f"--view-size {args.view_size}: the view around the agent is 3, 5 or 7 cells a side")
     if args.capture_video:  # cleanba/record.py knows what it can render here
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
         if check.returncode:
@@ -822,15 +770,14 @@ def derive_config(args: Args) -> Config:
         envs = f"--local-num-envs {args.local_num_envs} and each learner device's environments"
         need = f"two groups or more in each actor thread and learner device: {envs} must be multiples of {2 * group}"
         raise ConfigError(f"--layout-free-group-size {group}: {need}")
+    smallest_pool = 2 * group or 1  # layout-free: 2 groups or more
     pools = args.env_pools
     if not pools:  # 2 on a GPU where they split evenly: a pool's envs step while the other's actions are inferred
-        even_split = args.local_num_envs % (2 * (2 * group or 1)) == 0
-        pools = 2 if local_devices[args.actor_device_ids[0]].platform != "cpu" and even_split else 1
-    if args.local_num_envs % pools or (group and args.local_num_envs // pools % (2 * group)):
-        need = f"--local-num-envs {args.local_num_envs} must split into {pools} pools of equal size"
-        if group:
-            need += f", each a multiple of 2 x --layout-free-group-size ({2 * group})"
-        raise ConfigError(f"--env-pools {pools}: {need}")
+        on_gpu = local_devices[args.actor_device_ids[0]].platform != "cpu"
+        pools = 2 if on_gpu and args.local_num_envs % (2 * smallest_pool) == 0 else 1
+    if args.local_num_envs % (pools * smallest_pool):
+        need = f"--local-num-envs {args.local_num_envs} must be a multiple of {pools * smallest_pool}"
+        raise ConfigError(f"--env-pools {pools}: {need} ({pools} pools of {smallest_pool} envs or a multiple)")
     num_envs = envs_per_process * world_size
     batch_size = num_envs * args.num_steps
     if args.total_timesteps < batch_size:
@@ -943,35 +890,90 @@ class StopRequested(Exception):
     """Raised in a thread blocked on a queue once another thread has asked everyone to stop."""
 
 
+class Actors:
+    """The actor threads: each has its own EnvPool, inference on its actor device, and a params and a rollout queue
+    of size 1. Any thread's failure (the learner's too) sets `stop`, which every queue operation checks."""
+
+    def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int, stop: threading.Event):
+        self.args = args
+        self.cfg = cfg
+        self.networks = networks
+        self.start_update = start_update
+        self.stop = stop
+        self.failures = []  # (thread name, traceback) of each thread that raised
+        self.threads = []  # (thread, its device, its params queue, its rollout queue)
+        for device_index, device in enumerate(cfg.actor_devices):
+            for thread_index in range(args.num_actor_threads):
+                queues = queue.Queue(maxsize=1), queue.Queue(maxsize=1)  # parameters in, rollouts out
+                thread_id = device_index * args.num_actor_threads + thread_index
+                name = f"actor-{device_index}-{thread_index}"
+                thread = threading.Thread(target=self.run, args=(thread_id, device, *queues), name=name, daemon=True)
+                self.threads.append((thread, device, *queues))
+                thread.start()  # it waits for the first parameters
+
+    def run(self, *rollout_args):
+        try:
+            self.rollout(*rollout_args)
+        except StopRequested:
+            pass
+        except BaseException:
+            self.fail()
+
+    def fail(self):  # records the exception this thread is handling, and stops every thread
+        self.failures.append((threading.current_thread().name, traceback.format_exc()))
+        self.stop.set()
+
+    def rollout(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
+        """One actor thread: a rollout per update, with the parameters the learner published for it."""
+        args = self.args
+        num_envs = args.local_num_envs
+        env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
+        threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))  # the thread's cores, for each pool
+        pools_ids = np.split(env_ids, self.cfg.env_pools)
+        pools = [make_env(args, len(ids), int(ids[0]), **threads) for ids in pools_ids]
+        handle, rollout = make_rollout(args, self.networks, pools, device.platform)
+        states = []
+        for envs, ids in zip(pools, pools_ids, strict=True):  # actions keyed from the step the run resumes at
+            states.append(first_state(envs, handle, ids, self.start_update * args.num_steps, self.networks))
+        states = jax.device_put(states, device)
+        for update in range(self.start_update + 1, self.cfg.num_updates + 1):
+            timings = {}
+            # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
+            if not args.concurrency or update != self.start_update + 2:
+                with timer(timings, "params_queue_get_time"):
+                    params, version = self.blocking(params_queue.get)  # the learner put them on this device
+            with timer(timings, "rollout_time"):
+                states, batch = rollout(params, states)
+                batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
+            with timer(timings, "rollout_queue_put_time"):
+                self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
+
+    def publish(self, replica_params, version: int):  # once per actor device (the learner's: nothing to copy)
+        on_device = {device: jax.device_put(replica_params, device) for device in self.cfg.actor_devices}
+        for _, device, params_queue, _ in self.threads:
+            self.blocking(params_queue.put, (on_device[device], version))
+
+    def collect(self) -> list[Rollout]:
+        return [self.blocking(rollout_queue.get) for *_, rollout_queue in self.threads]
+
+    def join(self, timeout: float):
+        deadline = time.time() + timeout
+        for thread, *_ in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.time()))
+
+    def blocking(self, queue_operation, *item):  # a queue's put or get, retried until it succeeds or the run stops
+        while not self.stop.is_set():
+            with contextlib.suppress(queue.Full, queue.Empty):
+                return queue_operation(*item, timeout=1.0)
+        raise StopRequested
+
+
 def check_version_contract(rollouts: list[Rollout], update: int, first_update: int, concurrency: bool) -> int:
     """The learner at version `update` trains on data of that version, or with concurrency of the one before."""
     expected = update - 1 if concurrency and update > first_update else update
     if (versions := sorted({r.version for r in rollouts})) != [expected]:
         raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}, not {expected}")
     return expected
-
-
-def collate(rollouts: list[Rollout], devices: int) -> dict:
-    """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
-    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *[r.batch for r in rollouts])
-
-    def split(x):  # (T, envs, ...) -> (devices, T, envs / devices, ...); no -1: states of size 0 without a core
-        return np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)
-
-    batch = jax.tree.map(split, batch)
-    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
-    return batch
-
-
-def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
-    """One update: (new state, its record for updates.jsonl). A non-finite loss stops the run before any use of it."""
-    new_state, *results = update_fn(state, batch, update)
-    losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
-    for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
-        if not np.isfinite(value):
-            last = f"the last good checkpoint is the one after update {last_checkpoint}"
-            raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
-    return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
 
 
 def batch_fingerprint(batch, env_ids):
@@ -1221,5 +1223,9 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
 
 
 if __name__ == "__main__":
+    # --distributed runs this as cleanba/supervise.py's child, which reports a lost process in one line.
+    supervisor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
+    if "--distributed" in sys.argv[1:] and not os.environ.get("CLEANBA_SUPERVISED") and os.path.exists(supervisor):
+        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
     sys.stdout.reconfigure(line_buffering=True)  # progress lines reach log files (SLURM's) as they are printed
     main(tyro.cli(Args))
