@@ -329,9 +329,17 @@ def make_networks(args: Args, spec) -> Networks:
     return Networks(torso, core, actor, critic, convolutional, continuous)
 
 
-def forward(networks: Networks, params, obs, core_state, reset_after):
-    """(Action distribution, value, core state) for observations (time, envs, ...). A core runs each env's sequence from
-    `core_state` (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps). --norm-obs: by
+class Outputs(NamedTuple):
+    """What the networks give for observations (time, envs, ...)."""
+
+    dist: Categorical | DiagonalGaussian  # the policy
+    value: jax.Array  # (time, envs)
+    core_state: jax.Array  # after the sequence: (envs, 2, core width)
+
+
+def forward(networks: Networks, params, obs, core_state, reset_after) -> Outputs:
+    """The networks' outputs for observations (time, envs, ...). A core runs each env's sequence from `core_state`
+    (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps). --norm-obs: by
     params["obs_stats"] (the learner's, not gradients'), clipped to +-10 as in CleanRL's MuJoCo wrappers."""
     if "obs_stats" in params:
         stats = jax.lax.stop_gradient(params["obs_stats"])
@@ -351,7 +359,7 @@ def forward(networks: Networks, params, obs, core_state, reset_after):
         policy_hidden = merge(policy_hidden)
         value_hidden = merge(value_hidden)
     dist = jax.tree.map(split, networks.actor.apply(params["actor"], policy_hidden))
-    return dist, split(networks.critic.apply(params["critic"], value_hidden)[:, 0]), core_state
+    return Outputs(dist, split(networks.critic.apply(params["critic"], value_hidden)[:, 0]), core_state)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -502,15 +510,19 @@ def make_rollout(args: Args, networks: Networks, pools: list, platform: str):
         # One key per (environment, step): the sampled actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, env.step)
 
-        def act_on(obs, core, done, ids):  # a group of envs
+        def act_on(obs, core, done, ids):  # a group of envs (all of them without --layout-free-group-size)
             obs = jax.tree.map(lambda x: x[None], obs)  # a sequence of one step
-            dist, _, next_core = forward(networks, params, obs, core, done[None])
-            dist = jax.tree.map(lambda x: x[0], dist)
+            outputs = forward(networks, params, obs, core, done[None])
+            dist = jax.tree.map(lambda x: x[0], outputs.dist)
             action = jax.vmap(lambda dist, g: dist.sample(jax.random.fold_in(step_key, g)))(dist, ids)
             # The behaviour policy's log-probabilities: V-trace's importance ratios are against them.
             policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0], core_states=core)
             # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
-            return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy, next_core
+            return (
+                (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)),
+                policy,
+                outputs.core_state,
+            )
 
         return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env.ids)
 
@@ -544,7 +556,7 @@ def running_stats(stats: dict, x, valid, group_size: int):
     def squares(x, valid):
         return jnp.sum(jnp.square(x - mean) * valid, axis=(0, 1))
 
-    mean = global_sum(group_size, total, x, valid) / count
+    mean = global_sum(group_size, total, x, valid) / count  # group size 0: psum of each device's total
     var = global_sum(group_size, squares, x, valid) / count
     delta = mean - stats["mean"]
     total = stats["count"] + count
@@ -574,7 +586,7 @@ def episode_sums(batch, group_size: int):
         return jnp.stack([jnp.sum(x * ended) for x in (1.0, returns, lengths)])
 
     ended = [batch[name] for name in ("dones", "valid", "episode_returns", "episode_lengths")]
-    return global_sum(group_size, sums, *ended)
+    return global_sum(group_size, sums, *ended)  # group size 0: psum of each device's sums
 
 
 def vtrace_targets(args: Args, values, rewards, terminations, valid, rhos):
@@ -602,7 +614,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
     # loop gradient convolutions run slower (ResNet ~10x, MiniGrid's CNN ~3x), so the minibatch loop is unrolled.
-    def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
+    def scan_or_unroll(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
         if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)
         outputs = []
@@ -614,12 +626,12 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     def impala_loss(params, mb, count):  # mb: (T, envs, ...), and T + 1 observations
         # Each env's unroll replayed from its recorded core state (IMPALA's and moolib's way), the bootstrap step too.
         reset_after = jnp.concatenate([mb["valid"] == 0, jnp.zeros_like(mb["valid"][:1], bool)])
-        dist, values, _ = forward(networks, params, mb["obs"], mb["core_states"][0], reset_after)
-        new_logprobs, entropy = jax.tree.map(lambda x: x[:-1], dist).log_prob_and_entropy(mb["actions"])
+        outputs = forward(networks, params, mb["obs"], mb["core_states"][0], reset_after)
+        new_logprobs, entropy = jax.tree.map(lambda x: x[:-1], outputs.dist).log_prob_and_entropy(mb["actions"])
         logratio = new_logprobs - mb["logprobs"]  # against the behaviour policy that collected the data
         rhos = jax.lax.stop_gradient(jnp.exp(logratio))
         targets = jax.vmap(functools.partial(vtrace_targets, args), in_axes=1, out_axes=1)
-        vtrace = targets(values, mb["rewards"], mb["terminations"], mb["valid"], rhos)
+        vtrace = targets(outputs.value, mb["rewards"], mb["terminations"], mb["valid"], rhos)
         pg_loss = -new_logprobs * jax.lax.stop_gradient(vtrace.pg_advantage)
         v_loss = 0.5 * jnp.square(vtrace.errors)  # the targets carry no gradient (stop_target_gradients)
 
@@ -632,7 +644,10 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         entropy = local_mean(entropy)
         loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
         approx_kl = local_mean(jnp.exp(logratio) - 1 - logratio)  # how far the learner is from the behaviour
-        return loss, dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
+        # Logged: parts of global means (these local sums), added up over devices and groups; and any other value
+        # (a coefficient, say), averaged over them. Both read the same on any layout.
+        means = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
+        return loss, (means, {})
 
     def update(state: TrainState, batch, update_index):
         rewards, stats = normalisation(state.params, batch, G)
@@ -644,16 +659,22 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         update_key = jax.random.fold_in(minibatch_key, update_index)
         order = jax.vmap(lambda group: jax.random.permutation(jax.random.fold_in(update_key, group), M))(groups)
         minibatch_envs = (jnp.arange(groups.shape[0])[:, None] * M + order).T  # (M, envs per minibatch)
+        pieces = jax.lax.psum(1, "devices") * (
+            env_ids.shape[0] // G if G else 1
+        )  # what global_sum adds: devices or groups
 
         def minibatch(state, envs):
-            mb = jax.tree.map(lambda x: x[:, envs], data)
+            mb = jax.tree.map(lambda x: x[:, envs], data)  # (T, local envs, ...) -> (T, envs of the minibatch, ...)
             count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
             gradient = functools.partial(jax.grad(impala_loss, has_aux=True), state.params, count=count)
-            grads, losses = global_sum(G, gradient, mb)
+            grads, (losses, values) = global_sum(G, gradient, mb)  # G = 0: psum of the devices' gradients
+            losses.update(jax.tree.map(lambda x: x / pieces, values))
             losses["grad_norm"] = optax.tree.norm(grads)
             return state.apply_gradients(grads=grads), losses
 
-        state, losses = scan(minibatch, state, minibatch_envs)
+        state, losses = scan_or_unroll(minibatch, state, minibatch_envs)
+        # params carry what is not trained too (normalisation statistics): forward reads them without a gradient, so
+        # the optimiser leaves them as they are; each update puts in the ones after its batch.
         state = state.replace(params={**state.params, **stats})
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
 

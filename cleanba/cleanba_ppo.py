@@ -323,9 +323,17 @@ def make_networks(args: Args, spec) -> Networks:
     return Networks(torso, core, actor, critic, convolutional, continuous)
 
 
-def forward(networks: Networks, params, obs, core_state, reset_after):
-    """(Action distribution, value, core state) for observations (time, envs, ...). A core runs each env's sequence from
-    `core_state` (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps). --norm-obs: by
+class Outputs(NamedTuple):
+    """What the networks give for observations (time, envs, ...)."""
+
+    dist: Categorical | DiagonalGaussian  # the policy
+    value: jax.Array  # (time, envs)
+    core_state: jax.Array  # after the sequence: (envs, 2, core width)
+
+
+def forward(networks: Networks, params, obs, core_state, reset_after) -> Outputs:
+    """The networks' outputs for observations (time, envs, ...). A core runs each env's sequence from `core_state`
+    (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps). --norm-obs: by
     params["obs_stats"] (the learner's, not gradients'), clipped to +-10 as in CleanRL's MuJoCo wrappers."""
     if "obs_stats" in params:
         stats = jax.lax.stop_gradient(params["obs_stats"])
@@ -345,7 +353,7 @@ def forward(networks: Networks, params, obs, core_state, reset_after):
         policy_hidden = merge(policy_hidden)
         value_hidden = merge(value_hidden)
     dist = jax.tree.map(split, networks.actor.apply(params["actor"], policy_hidden))
-    return dist, split(networks.critic.apply(params["critic"], value_hidden)[:, 0]), core_state
+    return Outputs(dist, split(networks.critic.apply(params["critic"], value_hidden)[:, 0]), core_state)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -496,20 +504,24 @@ def make_rollout(args: Args, networks: Networks, pools: list, platform: str):
         # One key per (environment, step): the sampled actions do not depend on the layout.
         step_key = jax.random.fold_in(action_key, env.step)
 
-        def act_on(obs, core, done, ids):  # a group of envs
+        def act_on(obs, core, done, ids):  # a group of envs (all of them without --layout-free-group-size)
             obs = jax.tree.map(lambda x: x[None], obs)  # a sequence of one step
-            dist, value, next_core = forward(networks, params, obs, core, done[None])
-            dist, value = jax.tree.map(lambda x: x[0], (dist, value))
+            outputs = forward(networks, params, obs, core, done[None])
+            dist, value = jax.tree.map(lambda x: x[0], (outputs.dist, outputs.value))
             action = jax.vmap(lambda dist, g: dist.sample(jax.random.fold_in(step_key, g)))(dist, ids)
             policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0], values=value, core_states=core)
             # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
-            return (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)), policy, next_core
+            return (
+                (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)),
+                policy,
+                outputs.core_state,
+            )
 
         return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env.ids)
 
     def bootstrap(params, env: EnvState, batch):  # the value of the last observation, to bootstrap from
-        value = act(params, env)[1]["values"]
-        return {**batch, "values": jnp.concatenate([batch["values"], value[None]])}
+        _, policy, _ = act(params, env)
+        return {**batch, "values": jnp.concatenate([batch["values"], policy["values"][None]])}
 
     return compile_rollout(args, act, bootstrap, pools, platform)
 
@@ -538,7 +550,7 @@ def running_stats(stats: dict, x, valid, group_size: int):
     def squares(x, valid):
         return jnp.sum(jnp.square(x - mean) * valid, axis=(0, 1))
 
-    mean = global_sum(group_size, total, x, valid) / count
+    mean = global_sum(group_size, total, x, valid) / count  # group size 0: psum of each device's total
     var = global_sum(group_size, squares, x, valid) / count
     delta = mean - stats["mean"]
     total = stats["count"] + count
@@ -568,7 +580,7 @@ def episode_sums(batch, group_size: int):
         return jnp.stack([jnp.sum(x * ended) for x in (1.0, returns, lengths)])
 
     ended = [batch[name] for name in ("dones", "valid", "episode_returns", "episode_lengths")]
-    return global_sum(group_size, sums, *ended)
+    return global_sum(group_size, sums, *ended)  # group size 0: psum of each device's sums
 
 
 def gae(args: Args, rewards, values, terminations, dones):
@@ -600,7 +612,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
     # loop gradient convolutions run slower (ResNet ~10x, MiniGrid's CNN ~3x), so the minibatch loops are unrolled.
-    def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
+    def scan_or_unroll(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
         if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)
         outputs = []
@@ -610,13 +622,13 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
 
     def ppo_loss(params, mb, count):  # mb: (S, envs, ...)
-        dist, new_values, _ = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0)
-        new_logprobs, entropy = dist.log_prob_and_entropy(mb["actions"])
+        outputs = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0)
+        new_logprobs, entropy = outputs.dist.log_prob_and_entropy(mb["actions"])
         logratio = new_logprobs - mb["logprobs"]
         ratio = jnp.exp(logratio)
         advantages = mb["advantages"]
         pg_loss = -jnp.minimum(advantages * ratio, advantages * jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef))
-        v_loss = 0.5 * jnp.square(new_values - mb["returns"])
+        v_loss = 0.5 * jnp.square(outputs.value - mb["returns"])
 
         # Local sums over the global count: the global sum of these gradients is the global mean's gradient.
         def local_mean(x):
@@ -627,18 +639,22 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         entropy = local_mean(entropy)
         loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
         approx_kl = local_mean((ratio - 1) - logratio)
-        return loss, dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
+        # Logged: parts of global means (these local sums), added up over devices and groups; and any other value
+        # (a coefficient, say), averaged over them. Both read the same on any layout.
+        means = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
+        return loss, (means, {})
 
     def update(state: TrainState, batch, update_index):
         rewards, stats = normalisation(state.params, batch, G)
         # In groups too: computed over a device's envs at once, PQN's Q(lambda) rounded apart on 2 processes of 12 envs.
         targets = (rewards, batch["values"], batch["terminations"], batch["dones"])
-        advantages, returns = in_groups(G, functools.partial(gae, args), *targets, axis=1)
+        advantages, returns = in_groups(G, functools.partial(gae, args), *targets, axis=1)  # G = 0: gae(*targets)
         data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"], advantages=advantages)
         data.update(returns=returns, valid=batch["valid"].astype(jnp.float32), core_states=batch["core_states"])
         env_ids = batch["env_ids"]
         local_envs = env_ids.shape[0]
         update_key = jax.random.fold_in(minibatch_key, update_index)
+        pieces = jax.lax.psum(1, "devices") * (local_envs // G if G else 1)  # what global_sum adds: devices or groups
 
         def epoch(state, epoch_index):
             epoch_key = jax.random.fold_in(update_key, epoch_index)
@@ -646,23 +662,29 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             order = jax.vmap(lambda g: jax.random.permutation(jax.random.fold_in(epoch_key, g), shuffled))(env_ids)
             if networks.core:  # whole chunks: chunk c of an env is its steps c*S ... c*S + S - 1, in order
                 order = order[:, :, None] * S + jnp.arange(S)
-            minibatch_steps = order.reshape(local_envs, args.num_minibatches, S).swapaxes(0, 1)
+            minibatch_steps = order.reshape(local_envs, args.num_minibatches, S).swapaxes(
+                0, 1
+            )  # (minibatches, envs, S)
 
             def minibatch(state, steps):  # steps: (local_envs, S) time indices of each env
-                mb = jax.tree.map(lambda x: x[steps.T, jnp.arange(local_envs)], data)  # time-major
+                # (T, local_envs, ...) -> (S, local_envs, ...): env e's steps steps[e], in order
+                mb = jax.tree.map(lambda x: x[steps.T, jnp.arange(local_envs)], data)
                 count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
-                if args.norm_adv:  # over the global minibatch
+                if args.norm_adv:  # over the global minibatch (G = 0: psum of the devices' weighted sums)
                     mean = global_sum(G, weighted_sum, mb["advantages"], mb["valid"]) / count
                     var = global_sum(G, weighted_sum, jnp.square(mb["advantages"] - mean), mb["valid"]) / count
                     mb["advantages"] = (mb["advantages"] - mean) / (jnp.sqrt(var) + 1e-8)
                 gradient = functools.partial(jax.grad(ppo_loss, has_aux=True), state.params, count=count)
-                grads, losses = global_sum(G, gradient, mb)
+                grads, (losses, values) = global_sum(G, gradient, mb)  # G = 0: psum of the devices' gradients
+                losses.update(jax.tree.map(lambda x: x / pieces, values))
                 losses["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), losses
 
-            return scan(minibatch, state, minibatch_steps)
+            return scan_or_unroll(minibatch, state, minibatch_steps)
 
-        state, losses = scan(epoch, state, jnp.arange(args.update_epochs))
+        state, losses = scan_or_unroll(epoch, state, jnp.arange(args.update_epochs))
+        # params carry what is not trained too (normalisation statistics): forward reads them without a gradient, so
+        # the optimiser leaves them as they are; each update puts in the ones after its batch.
         state = state.replace(params={**state.params, **stats})
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
 

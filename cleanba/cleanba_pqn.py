@@ -277,9 +277,16 @@ def make_networks(args: Args, spec) -> Networks:
     return Networks(torso, core, q_head, convolutional)
 
 
-def forward(networks: Networks, params, obs, core_state, reset_after):
-    """(Q-values (time, envs, actions), core state) for observations (time, envs, ...). A core runs each env's sequence
-    from `core_state` (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps)."""
+class Outputs(NamedTuple):
+    """What the Q-network gives for observations (time, envs, ...)."""
+
+    q_values: jax.Array  # (time, envs, actions)
+    core_state: jax.Array  # after the sequence: (envs, 2, core width)
+
+
+def forward(networks: Networks, params, obs, core_state, reset_after) -> Outputs:
+    """The Q-network's outputs for observations (time, envs, ...). A core runs each env's sequence from `core_state`
+    (envs, 2, size), zeroed after the steps `reset_after` flags (EnvPool's reset steps)."""
     time, envs = reset_after.shape
 
     def merge(x):  # (time, envs, ...) -> (time * envs, ...)
@@ -292,7 +299,7 @@ def forward(networks: Networks, params, obs, core_state, reset_after):
     if networks.core:
         (hidden,), core_state = networks.core.apply(params["core"], core_state, (split(hidden),), reset_after)
         hidden = merge(hidden)
-    return split(networks.q_head.apply(params["q_head"], hidden)), core_state
+    return Outputs(split(networks.q_head.apply(params["q_head"], hidden)), core_state)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -456,18 +463,20 @@ def make_rollout(args: Args, networks: Networks, pools: list, platform: str):
             random_action = jax.random.randint(random_key, (), 0, q.shape[-1])
             return jnp.where(jax.random.uniform(explore_key) < epsilon, random_action, jnp.argmax(q))
 
-        def act_on(obs, core, done, ids):  # a group of envs
+        def act_on(obs, core, done, ids):  # a group of envs (all of them without --layout-free-group-size)
             obs = jax.tree.map(lambda x: x[None], obs)  # a sequence of one step
-            q_values, next_core = forward(networks, params, obs, core, done[None])
-            action = jax.vmap(epsilon_greedy)(q_values[0], ids)
+            outputs = forward(networks, params, obs, core, done[None])
+            q_values = outputs.q_values[0]
+            action = jax.vmap(epsilon_greedy)(q_values, ids)
             # The greedy value max_a Q(x, a) of each observation: what the Q(lambda) returns bootstrap from.
-            return action, dict(actions=action, values=jnp.max(q_values[0], axis=-1), core_states=core), next_core
+            policy = dict(actions=action, values=jnp.max(q_values, axis=-1), core_states=core)
+            return action, policy, outputs.core_state
 
         return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env.ids)
 
     def bootstrap(params, env: EnvState, batch):  # the value of the last observation, to bootstrap from
-        value = act(params, env)[1]["values"]
-        return {**batch, "values": jnp.concatenate([batch["values"], value[None]])}
+        _, policy, _ = act(params, env)
+        return {**batch, "values": jnp.concatenate([batch["values"], policy["values"][None]])}
 
     return compile_rollout(args, act, bootstrap, pools, platform)
 
@@ -493,7 +502,7 @@ def episode_sums(batch, group_size: int):
         return jnp.stack([jnp.sum(x * ended) for x in (1.0, returns, lengths)])
 
     ended = [batch[name] for name in ("dones", "valid", "episode_returns", "episode_lengths")]
-    return global_sum(group_size, sums, *ended)
+    return global_sum(group_size, sums, *ended)  # group size 0: psum of each device's sums
 
 
 def q_lambda_returns(args: Args, rewards, values, terminations, dones):
@@ -523,7 +532,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
     # loop gradient convolutions run slower (ResNet ~10x, MiniGrid's CNN ~3x), so the minibatch loops are unrolled.
-    def scan(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
+    def scan_or_unroll(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
         if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)
         outputs = []
@@ -533,7 +542,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
 
     def td_loss(params, mb, count):  # mb: (S, envs, ...)
-        q_values, _ = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0)
+        q_values = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0).q_values
         q_taken = jnp.take_along_axis(q_values, mb["actions"][..., None], axis=-1)[..., 0]
 
         # Local sums over the global count: the global sum of these gradients is the global mean's gradient.
@@ -541,17 +550,21 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             return jnp.sum(x * mb["valid"]) / count
 
         loss = local_mean(jnp.square(q_taken - mb["targets"]))  # the targets are constants: no gradient through them
-        return loss, dict(loss=loss, q_values=local_mean(q_taken), targets=local_mean(mb["targets"]))
+        # Logged: parts of global means (these local sums), added up over devices and groups; and any other value
+        # (a coefficient, say), averaged over them. Both read the same on any layout.
+        means = dict(loss=loss, q_values=local_mean(q_taken), targets=local_mean(mb["targets"]))
+        return loss, (means, {})
 
     def update(state: TrainState, batch, update_index):
         # In groups too: computed over a device's envs at once, Q(lambda) rounded apart on 2 processes (12 envs each).
         returns = (batch["rewards"], batch["values"], batch["terminations"], batch["dones"])
-        targets = in_groups(G, functools.partial(q_lambda_returns, args), *returns, axis=1)
+        targets = in_groups(G, functools.partial(q_lambda_returns, args), *returns, axis=1)  # G = 0: of all envs
         data = dict(obs=batch["obs"], actions=batch["actions"], targets=targets, core_states=batch["core_states"])
         data.update(valid=batch["valid"].astype(jnp.float32))
         env_ids = batch["env_ids"]
         local_envs = env_ids.shape[0]
         update_key = jax.random.fold_in(minibatch_key, update_index)
+        pieces = jax.lax.psum(1, "devices") * (local_envs // G if G else 1)  # what global_sum adds: devices or groups
 
         def epoch(state, epoch_index):
             epoch_key = jax.random.fold_in(update_key, epoch_index)
@@ -559,19 +572,23 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             order = jax.vmap(lambda g: jax.random.permutation(jax.random.fold_in(epoch_key, g), shuffled))(env_ids)
             if networks.core:  # whole chunks: chunk c of an env is its steps c*S ... c*S + S - 1, in order
                 order = order[:, :, None] * S + jnp.arange(S)
-            minibatch_steps = order.reshape(local_envs, args.num_minibatches, S).swapaxes(0, 1)
+            minibatch_steps = order.reshape(local_envs, args.num_minibatches, S).swapaxes(
+                0, 1
+            )  # (minibatches, envs, S)
 
             def minibatch(state, steps):  # steps: (local_envs, S) time indices of each env
-                mb = jax.tree.map(lambda x: x[steps.T, jnp.arange(local_envs)], data)  # time-major
+                # (T, local_envs, ...) -> (S, local_envs, ...): env e's steps steps[e], in order
+                mb = jax.tree.map(lambda x: x[steps.T, jnp.arange(local_envs)], data)
                 count = jnp.maximum(jax.lax.psum(jnp.sum(mb["valid"]), "devices"), 1.0)
                 gradient = functools.partial(jax.grad(td_loss, has_aux=True), state.params, count=count)
-                grads, losses = global_sum(G, gradient, mb)
+                grads, (losses, values) = global_sum(G, gradient, mb)  # G = 0: psum of the devices' gradients
+                losses.update(jax.tree.map(lambda x: x / pieces, values))
                 losses["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), losses
 
-            return scan(minibatch, state, minibatch_steps)
+            return scan_or_unroll(minibatch, state, minibatch_steps)
 
-        state, losses = scan(epoch, state, jnp.arange(args.update_epochs))
+        state, losses = scan_or_unroll(epoch, state, jnp.arange(args.update_epochs))
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
 
     # The state is not donated: the actors keep using the parameters the learner just replaced.

@@ -4,6 +4,7 @@ computed, layouts agree, and a recurrent policy on dict observations trains thro
 import json
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def test_the_learner_replays_what_the_actor_computed(algo):
     if algo == "pqn":
         head["kernel"] = np.repeat(head["kernel"][:, :1], head["kernel"].shape[1], axis=1)  # (its bias is 0)
     state = state.replace(params=script.replicate(params, cfg))
-    actors = script.Actors(args, cfg, networks, start_update=0)
+    actors = script.Actors(args, cfg, networks, 0, threading.Event())
     try:
         for version in (1, 2):  # the second rollout starts from the first one's core states, not from zeros
             actors.publish(script.replica(state.params), version)

@@ -17,14 +17,17 @@ import pytest
 from compare_runs import compare, within_tolerance
 from helpers import (
     BREAKOUT,
+    CARTPOLE,
     POLICY_GRADIENT,
     REPO,
+    SCRIPTS,
     Run,
     check,
     finished_run,
     load_checkpoint,
     run,
     run_processes,
+    script_env,
     trained,
 )
 from test_training import evaluate
@@ -143,6 +146,26 @@ def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
     assert_bitwise_identical(one, two_processes)
     if algo == "ppo":  # evaluate.py plays it, the LSTMs' states carried through each episode
         assert len(evaluate(one.path, 2)) == 2
+
+
+def test_a_logged_value_that_is_not_part_of_a_mean_reads_the_same_on_any_layout(tmp_path):
+    """A researcher logs a value from the loss that is not a local part of a global mean (a KL coefficient, say) in the
+    loss's second dict, as the modifying guide says (here in a copy of cleanba_ppo.py): on 1 learner device, on 2, and
+    on 2 with layout-free groups, it reads what it is (summed like the losses, it read twice as much on 2 devices)."""
+    with open(SCRIPTS["ppo"]) as f:
+        source = f.read()
+    assert source.count("return loss, (means, {})") == 1
+    copy = tmp_path / "ppo_with_a_coefficient.py"
+    copy.write_text(source.replace("return loss, (means, {})", 'return loss, (means, {"kl_coef": jnp.float32(0.25)})'))
+    layouts = {"one": ["0"], "two": ["0", "1"], "two_in_groups": ["0", "1", "--layout-free-group-size", "2"]}
+    for name, layout in layouts.items():
+        os.makedirs(tmp_path / name)
+        command = [sys.executable, str(copy), *map(str, CARTPOLE), "--total-timesteps", "768", "--learner-device-ids"]
+        check(
+            subprocess.run([*command, *layout], cwd=tmp_path / name, env=script_env(2), capture_output=True, text=True)
+        )
+        records = finished_run(tmp_path / name).records
+        assert [record["losses"]["kl_coef"] for record in records] == [0.25, 0.25, 0.25], name
 
 
 def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):

@@ -5,6 +5,7 @@ user starts it."""
 import ast
 import dataclasses
 import os
+import threading
 
 import jax
 import numpy as np
@@ -35,7 +36,7 @@ DIFFERENT_ON_PURPOSE = {
     "make_update",
     "init_train_state",
 }
-Q_NETWORK = {"Networks", "make_networks", "forward"}
+Q_NETWORK = {"Networks", "make_networks", "Outputs", "forward"}
 
 
 def definitions(path: str) -> dict[str, str]:
@@ -300,7 +301,7 @@ def test_continuous_actions_are_stored_as_sampled(algo):
     args, cfg, _, networks, state = script_parts(script, *flags.split())
     params = script.to_host(state.params)
     params["obs_stats"] = dict(mean=np.full(17, 0.5, np.float32), var=np.full(17, 4.0, np.float32), count=np.float32(9))
-    actors = script.Actors(args, cfg, networks, start_update=0)
+    actors = script.Actors(args, cfg, networks, 0, threading.Event())
     try:
         actors.publish(jax.tree.map(lambda x: x[None], params), 1)  # a replica: one device's shard
         (rollout,) = actors.collect()
