@@ -9,7 +9,8 @@ Actor threads and the learner are joined by queues of size 1:
 With --concurrency the actor skips fetching parameters at iteration 2: from then on the learner at version v trains on
 data of version v-1 while the actor collects the next batch. PPO's default is synchronous (lag 0): the lag costs PPO
 data efficiency. Every environment has a global index g, and everything random is keyed by g, never by the device or
-thread that holds it: the same seed gives the same batches on 1 device or many.
+thread that holds it: the same seed gives the same batches on 1 device or many (continuous actions part in the last
+bits from update 2), and the same losses up to float reassociation; bit for bit with --layout-free-group-size.
 """
 
 import contextlib
@@ -94,7 +95,7 @@ class Args:
     checkpoint_interval: Runtime[int] = 100  # checkpoint every this many updates (0: by --checkpoint-minutes only)
     checkpoint_minutes: Runtime[float] = 15.0  # also write a checkpoint this many minutes after the last one
     compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"  # resumed runs skip compiling (None: off)
-    # The layout: where the run executes, never what it computes.
+    # The layout: where the run executes, not which algorithm (bit for bit: --layout-free-group-size).
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
     learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # data-parallel learner
     num_actor_threads: Runtime[int] = 2  # actor threads per actor device, each with its own environment pool

@@ -13,7 +13,8 @@ the policy one version behind (the Cleanba timeline above); the default is synch
 
 Reproducibility: every environment has a global index g (over processes, actor devices, threads, envs); it is
 seeded from (seed, g), actions from (g, step), minibatches from (seed, update, epoch, g, t), and statistics are over the
-global minibatch. So the same seed gives the same batches on 1 device or many, up to float reassociation.
+global minibatch. So the same seed gives the same batches on 1 device or many (continuous actions part in the last
+bits from update 2), and the same losses up to float reassociation; bit for bit with --layout-free-group-size.
 """
 
 import contextlib
@@ -93,7 +94,7 @@ class Args:
     checkpoint_interval: Runtime[int] = 100  # checkpoint every this many updates (0: by --checkpoint-minutes only)
     checkpoint_minutes: Runtime[float] = 15.0  # also write a checkpoint this many minutes after the last one
     compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"  # resumed runs skip compiling (None: off)
-    # The layout: where the run executes, never what it computes.
+    # The layout: where the run executes, not which algorithm (bit for bit: --layout-free-group-size).
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
     learner_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # data-parallel learner
     num_actor_threads: Runtime[int] = 2  # actor threads per actor device, each with its own environment pool
