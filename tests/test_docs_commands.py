@@ -46,7 +46,9 @@ PAGES = ["README.md"] + sorted(
 FOREIGN = {
     "docs/guides/slurm.md": {"--requeue", "--signal"},  # sbatch's
     "docs/performance.md": {"--configs", "--algos"},  # tests/benchmarks/throughput.py's
-    "docs/guides/modifying.md": {"--clip-vloss"},  # a flag added to a copy of cleanba_ppo.py
+    "docs/guides/modifying.md": {  # flags added to copies of cleanba_ppo.py
+        *"--clip-vloss --kl-coef-init --kl-target --lr-warmup-fraction --aux-coef".split()
+    },
     "docs/notes/minigrid-memory.md": {  # the scratch copy's
         *"--head-hidden --head-depth --actor-gain --lstm-gain --num-actions --seq-len --clip-vloss".split()
     },
