@@ -29,6 +29,11 @@
 #                            min on an H100); figures in results/gpu_throughput.json
 #   gpu-learning             on this machine's GPU: each script on Breakout-v5 with its paper's defaults for 3.5
 #                            minutes; steps/s and the return curve in results/gpu_learning/ (~12 min)
+#   gpu-check                on this machine's GPU, in ~8 minutes: the machine, EnvPool alone, each script's steady
+#                            steps/s on Breakout-v5 at its defaults (then, as the budget allows, --no-deterministic-gpu
+#                            and IMPALA's --env-pools 1 and 4), and whether PPO reruns bit for bit (the same command
+#                            twice; layout-free on 1 and 2 actor threads); in docs/results/gpu/gpu_check.{json,md}
+#                            (--out DIR elsewhere; --help: the sizes, for a dry run on a CPU)
 #
 # The 8-GPU and 2-node grids use 120 environments (2 actor devices or 2 nodes x 2 threads x 30), which
 # split evenly over 6 learner devices (20 each, 5 per IMPALA minibatch); 128 would not.
@@ -199,6 +204,8 @@ case "$grid" in
     $PYTHON tests/benchmarks/throughput.py --configs atari --out results/gpu_throughput.json "$@" ;;
   gpu-learning)
     $PYTHON tests/benchmarks/learning.py --env-id Breakout-v5 --minutes 3.5 --out results/gpu_learning "$@" ;;
+  gpu-check)
+    $PYTHON tests/benchmarks/gpu_check.py "$@" ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
     [ -z "$grid" ] && exit 0 || { echo "unknown grid: $grid" >&2; exit 2; } ;;

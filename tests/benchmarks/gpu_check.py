@@ -1,0 +1,566 @@
+"""GPU check: one command that measures, in a few minutes on one GPU machine, what the docs need to know about it.
+
+    source .gpu/env.sh && PYTHON=python3 bash benchmark.sh gpu-check --out "$OUT"      # on the GPU machine (~8 min)
+    bash benchmark.sh gpu-check --out /tmp/gpucheck --seconds 5 --env-id CartPole-v1 --repro-env-id CartPole-v1 \\
+        --repro-envs 16 --repro-steps 16 --repro-updates 5 -- --local-num-envs 8 --num-steps 32  # a dry run on a CPU
+
+In order, each step's figures written to --out (gpu_check.json and gpu_check.md) as soon as it ends, so that a
+check cut short still leaves what it measured:
+
+1. the machine: GPU name (JAX's device kind), the CPU cores this process may use, JAX's and EnvPool's versions, the
+   date and the git commit;
+2. EnvPool alone: the scripts' default shape (2 actor threads x 64 envs, or the flags after `--`), each actor
+   thread's pool with the scripts' own EnvPool thread share (throughput.py's env ceiling), random actions;
+3. training throughput: each script (PPO, IMPALA, PQN) at its defaults, actor and learner on device 0, as a user
+   runs it (a subprocess; the throughput runs share one directory, hence its compilation cache). Its console lines
+   are read as they come (--log-frequency 1): the first --warmup updates are left out (compilation; with Cleanba
+   the second batch is collected early), then the run is timed for --seconds and stopped with SIGTERM (to the
+   process, not its group: that would also stop XLA's compiler processes). Steady steps/s: the steps between the
+   first and the last timed console line over the time between their arrivals; the learner's and the actors'
+   waits: their means over the timed updates (the side that waits is not the bottleneck). Then, as the budget
+   allows, the speed flag (--no-deterministic-gpu: the cost of deterministic GPU ops) and IMPALA's --env-pools 1
+   and 4 (the default is 2 on a GPU), with their steps/s over the default run's;
+4. reproducibility, after the throughput runs (so that it does not disturb their timings), four PPO runs at once
+   sharing the GPU (no memory preallocation; 4 EnvPool threads each): the same command twice, and a layout-free
+   run (--layout-free-group-size 4) on 1 and on 2 actor threads; each pair is bitwise identical (updates.jsonl),
+   or the first update that differs and what differs (the batch fingerprint, the losses, the episodes).
+
+A global time budget (--budget) ranks the work: EnvPool alone and the three default runs first, then the
+reproducibility runs (their time, --repro-seconds, is reserved, though they run last), then the variants while they
+fit, in the order of --runs (IMPALA's first: the cheapest). A run that would not fit is reported as skipped, never
+dropped, and a later, shorter one may still fit. Each run's time is estimated from its script's default run (start
+to exit), or as --seconds + 60 s before one. On an H100 the default budget fits the defaults, the reproducibility
+runs and one or two variants; the others: a second call with --runs (e.g. impala impala-pools4) and --no-repro.
+
+Exit status 0 when everything that ran worked, "not bitwise" included (a measurement, not a test: it asserts
+nothing); 1 if a run crashed or timed out (its last output lines are in the JSON) or the check was interrupted.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+# Whether the user set it: the throughput runs get the user's environment (a script preallocates the GPU's memory by
+# default), the reproducibility runs share the GPU without preallocating. Importing throughput.py sets it for us.
+USER_PREALLOCATE = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # this process only steps EnvPool
+
+import envpool  # noqa: E402
+import jax  # noqa: E402
+import tyro  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "cleanba"))
+import throughput  # noqa: E402
+from compare_runs import compare  # noqa: E402
+
+BATCH_LINE = re.compile(r"= (\d+) per update")
+UPDATE_LINE = re.compile(r"^update (\d+)/\d+ \|.*\| waits: learner ([\d.]+)s, actors ([\d.]+)s")
+START_GUESS = 60  # seconds: start-up, compilation, warm-up updates and the stop of a run on a GPU, before one is seen
+STOP_WAIT = 90  # seconds a stopped run may take to finish its update and checkpoint before it is killed
+TAIL_LINES = 40  # of a failed run's output, kept in the JSON
+
+# The throughput runs, in priority order: (id for --runs, script, flags beyond the defaults, kind). The variants: the
+# cheapest run first (IMPALA's, ~1 minute on a GPU against PPO's ~1.5), the questions open before the GPU time spent.
+RUNS = [
+    ("ppo", "ppo", [], "default"),
+    ("impala", "impala", [], "default"),
+    ("pqn", "pqn", [], "default"),
+    ("impala-nondet", "impala", ["--no-deterministic-gpu"], "variant"),
+    ("impala-pools1", "impala", ["--env-pools", "1"], "variant"),
+    ("pqn-nondet", "pqn", ["--no-deterministic-gpu"], "variant"),
+    ("impala-pools4", "impala", ["--env-pools", "4"], "variant"),
+    ("ppo-nondet", "ppo", ["--no-deterministic-gpu"], "variant"),
+]
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT to this check: the runs in progress are stopped and what was measured is written."""
+
+
+def on_signal(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def machine_info(commit: str | None) -> dict:
+    if commit is None and shutil.which("git"):  # the GPU machine's copy of the working tree may have no .git
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
+        if head.returncode == 0:
+            commit = head.stdout.strip()
+            changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain"], capture_output=True, text=True)
+            if changed.stdout.strip():
+                commit += " (with uncommitted changes)"
+    device = jax.devices()[0]
+    return dict(
+        platform=jax.default_backend(),
+        device=device.device_kind,
+        devices=len(jax.devices()),
+        cores=len(os.sched_getaffinity(0)),
+        cpu_count=os.cpu_count(),
+        jax=jax.__version__,
+        envpool=envpool.__version__,
+        python=sys.version.split()[0],
+        date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        commit=commit,
+    )
+
+
+def env_alone(env_id: str, flags: list[str], seconds: float) -> dict:
+    """EnvPool alone in the PPO script's default shape (all three scripts share it and its EnvPool threads)."""
+    algo = throughput.load_script("ppo")
+    args = tyro.cli(algo.Args, args=["--env-id", env_id, *flags])
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = [algo.env_threads(args, i, cpus) for i in range(args.num_actor_threads)]
+    sps = throughput.env_ceiling(algo, args, args.num_actor_threads, seconds)
+    return dict(
+        sps=sps,
+        actor_threads=args.num_actor_threads,
+        envs_per_thread=args.local_num_envs,
+        envpool_threads=threads,
+        seconds=seconds,
+    )
+
+
+class Process:
+    """A script in a subprocess; its output lines timestamped as they arrive (and copied to a log file)."""
+
+    def __init__(self, command: list[str], cwd: str, env: dict, log_path: str):
+        self.command, self.lines, self.started, self.ended = command, [], time.monotonic(), None
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            self.log.write(line)
+            self.log.flush()
+        self.ended = time.monotonic()  # its output closed: it exited
+
+    def stop(self, timeout: float = STOP_WAIT) -> int:
+        """SIGTERM (the script checkpoints and exits 143), then SIGKILL after `timeout`; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.reader.join(timeout=10)
+        self.log.close()
+        return self.proc.returncode
+
+    def tail(self) -> list[str]:
+        return [line for _, line in self.lines[-TAIL_LINES:]]
+
+
+def script_command(script: str) -> list[str]:
+    return [sys.executable, os.path.join(REPO, "cleanba", f"cleanba_{script}.py")]
+
+
+def measure_run(script: str, flags: list[str], cwd: str, log_path: str, opts) -> dict:
+    """One throughput run, as the module docstring says; raises nothing (a failure is in the result)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    if USER_PREALLOCATE is not None:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = USER_PREALLOCATE
+    command = [
+        *script_command(script),
+        "--env-id",
+        opts.env_id,
+        "--total-timesteps",
+        str(10**9),
+        *opts.flags,
+        *flags,
+        "--log-frequency",
+        "1",
+        "--checkpoint-interval",
+        "0",
+        "--no-resume",
+        "--run-name",
+        "gpu_check",
+    ]
+    result = dict(command=shlex.join(command[1:]).replace(REPO + "/", ""))
+    process = Process(command, cwd, env, log_path)
+    deadline, stop_at, status = process.started + opts.run_timeout, None, None
+    try:
+        while True:
+            time.sleep(0.05)
+            updates = [(t, m) for t, line in process.lines if (m := UPDATE_LINE.match(line))]
+            timed = [(t, m) for t, m in updates if int(m.group(1)) > opts.warmup]
+            if timed and stop_at is None:
+                stop_at = timed[0][0] + opts.seconds
+            if process.proc.poll() is not None:
+                status = "failed" if process.proc.returncode else "ended early"
+                break
+            if stop_at is not None and time.monotonic() >= stop_at and len(timed) >= 2:
+                break
+            if time.monotonic() > deadline:
+                status = "timeout"
+                break
+    finally:  # also on an interrupt of this check
+        measured_lines = list(process.lines)
+        returncode = process.stop()
+    result.update(exit_code=returncode, duration_s=time.monotonic() - process.started)
+    batch = next((int(m.group(1)) for _, line in measured_lines if (m := BATCH_LINE.search(line))), None)
+    updates = [(t, m) for t, line in measured_lines if (m := UPDATE_LINE.match(line))]
+    if updates:
+        result["first_update_s"] = updates[0][0] - process.started
+    timed = [(t, int(m.group(1)), float(m.group(2)), float(m.group(3))) for t, m in updates]
+    timed = [u for u in timed if u[1] > opts.warmup]
+    if status is None and returncode not in (0, 128 + signal.SIGTERM):
+        status = "failed"  # it crashed while stopping
+    if status is None and (batch is None or len(timed) < 2):
+        status = "failed"
+    if status in ("failed", "timeout") or (status == "ended early" and len(timed) < 2):
+        last = next((line for line in reversed(process.tail()) if line.strip()), "no output")
+        why = f"no result within --run-timeout {opts.run_timeout:.0f} s" if status == "timeout" else last[:200]
+        result.update(status=status if status != "ended early" else "failed", reason=why, last_output=process.tail())
+        return result
+    (t0, u0, _, _), (t1, u1, _, _) = timed[0], timed[-1]
+    seconds_per_update = (t1 - t0) / (u1 - u0)
+    result.update(
+        status="ok",
+        batch_size=batch,
+        measured_updates=u1 - u0,
+        measured_seconds=t1 - t0,
+        sps=(u1 - u0) * batch / (t1 - t0),
+        # The waits of the updates inside the timed span (the first timed line closes the warm-up).
+        learner_wait_s=sum(u[2] for u in timed[1:]) / (len(timed) - 1),
+        actor_wait_s=sum(u[3] for u in timed[1:]) / (len(timed) - 1),
+    )
+    result["learner_wait"] = result["learner_wait_s"] / seconds_per_update
+    result["actor_wait"] = result["actor_wait_s"] / seconds_per_update
+    return result
+
+
+def repro_commands(opts) -> dict:
+    """The reproducibility checks: {check: [(run name, flags), (run name, flags)]}."""
+    envs, steps, updates = opts.repro_envs, opts.repro_steps, opts.repro_updates
+    common = [
+        *("--env-id", opts.repro_env_id, "--num-steps", str(steps), "--seed", str(opts.repro_seed)),
+        *("--total-timesteps", str(envs * steps * updates), "--env-threads", "4", *opts.repro_flags),
+        *("--log-frequency", "5", "--checkpoint-interval", "0", "--no-resume"),
+    ]
+    one = ["--local-num-envs", str(envs), "--num-actor-threads", "1"]
+    two = ["--local-num-envs", str(envs // 2), "--num-actor-threads", "2"]
+    free = ["--layout-free-group-size", str(opts.repro_group_size)]
+    return {
+        "same command twice": [("same_1", [*common, *one]), ("same_2", [*common, *one])],
+        f"layout-free (group {opts.repro_group_size}), 1 vs 2 actor threads": [
+            ("free_1thread", [*common, *one, *free]),
+            ("free_2threads", [*common, *two, *free]),
+        ],
+    }
+
+
+def first_difference(a: list[dict], b: list[dict]) -> dict | None:
+    """The first update whose records differ, and which of their fields (losses by name) differ."""
+    for record_a, record_b in zip(a, b, strict=False):
+        if record_a == record_b:
+            continue
+        fields = []
+        for key in sorted(set(record_a) | set(record_b)):
+            va, vb = record_a.get(key), record_b.get(key)
+            if key == "losses" and isinstance(va, dict) and isinstance(vb, dict):
+                fields += [f"losses.{n}" for n in sorted(set(va) | set(vb)) if va.get(n) != vb.get(n)]
+            elif va != vb:
+                fields.append(key)
+        return dict(update=record_a.get("update"), fields=fields)
+    if len(a) != len(b):
+        return dict(update=min(len(a), len(b)) + 1, fields=[f"record count ({len(a)} vs {len(b)})"])
+    return None
+
+
+def reproducibility(root: str, log_dir: str, opts) -> list[dict]:
+    """Runs the four runs at once; compares each pair's updates.jsonl."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    checks, processes = repro_commands(opts), {}
+    try:
+        for pair in checks.values():
+            for name, flags in pair:
+                cwd = os.path.join(root, "repro", name)
+                os.makedirs(cwd, exist_ok=True)
+                command = [*script_command("ppo"), *flags, "--run-name", name]
+                processes[name] = Process(command, cwd, env, os.path.join(log_dir, f"repro_{name}.log"))
+        deadline = time.monotonic() + opts.repro_timeout
+        while time.monotonic() < deadline and any(p.proc.poll() is None for p in processes.values()):
+            time.sleep(0.2)
+    finally:
+        codes = {name: process.stop(timeout=30) for name, process in processes.items()}
+    results = []
+    for check, pair in checks.items():
+        commands = [shlex.join(["cleanba/cleanba_ppo.py", *flags, "--run-name", name]) for name, flags in pair]
+        result = dict(check=check, commands=commands)
+        runs = []
+        for name, _ in pair:
+            process = processes[name]
+            duration = (process.ended or time.monotonic()) - process.started
+            run = dict(name=name, exit_code=codes[name], duration_s=duration)
+            path = os.path.join(root, "repro", name, "runs", name, "updates.jsonl")
+            if codes[name] != 0:
+                timed_out = duration >= opts.repro_timeout
+                run.update(status="timeout" if timed_out else "failed", last_output=process.tail())
+            else:
+                with open(path) as f:
+                    run.update(status="ok", lines=f.read().splitlines())
+            runs.append(run)
+        result["runs"] = [{k: v for k, v in run.items() if k != "lines"} for run in runs]
+        if any(run["status"] != "ok" for run in runs):
+            result.update(status="failed", result="a run failed: nothing to compare")
+        else:
+            a, b = ([json.loads(line) for line in run["lines"]] for run in runs)
+            bitwise = runs[0]["lines"] == runs[1]["lines"] and len(a) == opts.repro_updates
+            difference = first_difference(a, b)
+            compared = compare(a, b)
+            result.update(
+                status="ok",
+                updates=[len(a), len(b)],
+                bitwise=bitwise,
+                first_difference=difference,
+                first_fingerprint_mismatch=compared["first_fingerprint_mismatch"],
+                max_relative_difference={k: list(v) for k, v in compared["max_relative_difference"].items()},
+            )
+            if bitwise:
+                result["result"] = f"bitwise identical ({len(a)} updates)"
+            elif difference:
+                result["result"] = f"differs from update {difference['update']}: {', '.join(difference['fields'])}"
+            else:
+                result["result"] = f"identical records, but {len(a)} updates of {opts.repro_updates}"
+        results.append(result)
+    return results
+
+
+def fmt(value, spec=",.0f", none="-"):
+    return none if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    m, lines = report.get("machine") or {}, []
+    if m:
+        lines.append(
+            f"{m['device']} ({m['platform']}), {m['cores']} CPU cores available ({m['cpu_count']} on the machine), "
+            f"JAX {m['jax']}, EnvPool {m['envpool']}, Python {m['python']}, {m['date']}, commit {m['commit'] or 'n/a'}"
+        )
+    s, state = report["settings"], ""
+    if not report["finished"]:
+        state = f" (unfinished: interrupted {report['interrupted']})" if "interrupted" in report else " (unfinished)"
+    lines.append(
+        f"\n{s['env_id']}, flags: {' '.join(s['flags']) or 'the defaults'}; {s['seconds']:.0f} s timed per run after "
+        f"{s['warmup']} warm-up updates; budget {s['budget']:.0f} s, {report['elapsed_s']:.0f} s used{state}"
+    )
+    env = report.get("env_alone")
+    env_sps = env.get("sps") if env else None
+    if env:
+        if env.get("status") == "failed":
+            lines.append(f"\nEnvPool alone: failed: {env['error']}")
+        else:
+            threads = env["envpool_threads"][0]["num_threads"]
+            lines.append(
+                f"\nEnvPool alone: {env['actor_threads']} threads x {env['envs_per_thread']} envs, {threads} EnvPool "
+                f"threads each, random actions: **{env_sps:,.0f} steps/s**"
+            )
+    header = ["run", "steps/s", "/ EnvPool alone", "/ default", "learner wait", "actor wait", "timed", "1st update"]
+    header.append("run s")
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in report["runs"]:
+        if r["status"] != "ok":
+            note = r["status"] + (f": {r['reason']}".replace("|", "\\|") if r.get("reason") else "")
+            lines.append(f"| {r['name']} | {note} |" + " |" * (len(header) - 2))
+            continue
+        lines.append(
+            f"| {r['name']} | {r['sps']:,.0f} | {fmt(r.get('over_env'), '.2f')} | {fmt(r.get('over_default'), '.2f')} "
+            f"| {r['learner_wait_s']:.3f} s ({r['learner_wait']:.0%}) "
+            f"| {r['actor_wait_s']:.3f} s ({r['actor_wait']:.0%}) "
+            f"| {r['measured_updates']} x {r['batch_size']:,} in {r['measured_seconds']:.1f} s "
+            f"| {r['first_update_s']:.0f} s | {r['duration_s']:.0f} |"
+        )
+    if report["reproducibility"]:
+        lines += ["", "| reproducibility (PPO) | result | max relative difference | run s |", "|---|---|---|---|"]
+        for r in report["reproducibility"]:
+            worst = r.get("max_relative_difference") or {}
+            worst = ", ".join(f"{k} {v[0]:.1e} (update {v[1]})" for k, v in worst.items() if v[0]) or "-"
+            seconds = ", ".join(f"{run['duration_s']:.0f}" for run in r.get("runs", [])) or "-"
+            lines.append(f"| {r['check']} | {r.get('result', r['status'])} | {worst} | {seconds} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: str):
+    report["elapsed_s"] = time.monotonic() - report["_t0"]
+    saved = {k: v for k, v in report.items() if not k.startswith("_")}
+    with open(os.path.join(out, "gpu_check.json.tmp"), "w") as f:
+        json.dump(saved, f, indent=2)
+    os.replace(os.path.join(out, "gpu_check.json.tmp"), os.path.join(out, "gpu_check.json"))
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(markdown(report))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(REPO, "docs", "results", "gpu"), help="gpu_check.json, .md")
+    parser.add_argument("--env-id", default="Breakout-v5", help="of EnvPool alone and the throughput runs")
+    parser.add_argument("--seconds", type=float, default=30, help="timed seconds of each throughput run")
+    parser.add_argument("--warmup", type=int, default=2, help="updates left out at the start of each run")
+    parser.add_argument("--env-seconds", type=float, default=10, help="seconds of EnvPool alone")
+    parser.add_argument("--budget", type=float, default=420, help="seconds for the whole check (see above)")
+    parser.add_argument("--run-timeout", type=float, default=240, help="seconds a throughput run may take")
+    parser.add_argument(
+        "--runs", nargs="+", choices=[r[0] for r in RUNS], default=[r[0] for r in RUNS], help="in priority order"
+    )
+    parser.add_argument("--no-repro", dest="repro", action="store_false", help="skip the reproducibility runs")
+    parser.add_argument("--repro-env-id", default="Breakout-v5")
+    parser.add_argument("--repro-envs", type=int, default=32, help="environments (split over 2 actor threads)")
+    parser.add_argument("--repro-steps", type=int, default=32, help="--num-steps of the reproducibility runs")
+    parser.add_argument("--repro-updates", type=int, default=20)
+    parser.add_argument("--repro-seed", type=int, default=41)
+    parser.add_argument("--repro-group-size", type=int, default=4, help="--layout-free-group-size")
+    parser.add_argument("--repro-flags", default="", help="more flags of the reproducibility runs (one string)")
+    parser.add_argument("--repro-seconds", type=float, default=90, help="the reproducibility runs' reserved time")
+    parser.add_argument("--repro-timeout", type=float, default=300, help="seconds they may take")
+    parser.add_argument("--commit", help="the commit to report (default: git's, where there is a .git)")
+    parser.add_argument("--logs", help="keep the runs' output here (default: a temporary directory, deleted)")
+    argv = sys.argv[1:]
+    opts = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    opts.flags = argv[argv.index("--") + 1 :] if "--" in argv else []  # to EnvPool alone and every throughput run
+    opts.repro_flags = shlex.split(opts.repro_flags)
+    os.makedirs(opts.out, exist_ok=True)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    report = dict(
+        _t0=time.monotonic(),
+        finished=False,
+        settings=dict(
+            env_id=opts.env_id,
+            flags=opts.flags,
+            seconds=opts.seconds,
+            warmup=opts.warmup,
+            budget=opts.budget,
+            repro=dict(
+                env_id=opts.repro_env_id,
+                envs=opts.repro_envs,
+                steps=opts.repro_steps,
+                updates=opts.repro_updates,
+                seed=opts.repro_seed,
+                group_size=opts.repro_group_size,
+                flags=opts.repro_flags,
+            ),
+        ),
+        machine=None,
+        env_alone=None,
+        runs=[],
+        reproducibility=[],
+    )
+    failed = False
+    root = tempfile.mkdtemp(prefix="gpu_check_")
+    log_dir = opts.logs or os.path.join(root, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    os.makedirs(os.path.join(root, "throughput"))
+
+    def elapsed():
+        return time.monotonic() - report["_t0"]
+
+    try:
+        report["machine"] = machine_info(opts.commit)
+        print(f"machine: {report['machine']}", flush=True)
+        write(report, opts.out)
+        try:
+            report["env_alone"] = dict(status="ok", **env_alone(opts.env_id, opts.flags, opts.env_seconds))
+        except (Exception, SystemExit) as error:
+            failed = True
+            report["env_alone"] = dict(status="failed", error=f"{type(error).__name__}: {error}")
+        print(f"EnvPool alone: {report['env_alone']}", flush=True)
+        write(report, opts.out)
+
+        durations = {}  # script: seconds of its default run, start to exit
+        reserve = opts.repro_seconds if opts.repro else 0
+        selected = [next(run for run in RUNS if run[0] == run_id) for run_id in opts.runs]  # in the order given
+        for run_id, script, flags, kind in selected:
+            name = " ".join([script, *flags])
+            estimate = durations.get(script, opts.seconds + START_GUESS)
+            # The defaults go first and need only fit the budget; the variants leave the reproducibility runs' time.
+            ends = elapsed() + estimate + (reserve if kind == "variant" else 0)
+            result = dict(name=name, id=run_id, script=script, flags=flags, estimate_s=estimate)
+            report["runs"].append(result)
+            if ends > opts.budget:
+                what = "the time reserved for the reproducibility runs" if kind == "variant" and reserve else ""
+                result.update(
+                    status="skipped",
+                    reason=f"needs ~{estimate:.0f} s; would end at {ends:.0f} s of the {opts.budget:.0f} s budget"
+                    + (f" (with {what})" if what else ""),
+                )
+                print(f"[{name}] skipped: {result['reason']}", flush=True)
+                write(report, opts.out)
+                continue
+            print(f"[{name}] at {elapsed():.0f} s", flush=True)
+            log_path = os.path.join(log_dir, f"{run_id}.log")
+            result["status"] = "interrupted"  # until it ends
+            result.update(measure_run(script, flags, os.path.join(root, "throughput"), log_path, opts))
+            if result["status"] == "ok":
+                if kind == "default":
+                    durations[script] = result["duration_s"]
+                env_sps = (report["env_alone"] or {}).get("sps")
+                result["over_env"] = result["sps"] / env_sps if env_sps else None
+                default = next((r for r in report["runs"] if r["name"] == script and r["status"] == "ok"), None)
+                result["over_default"] = result["sps"] / default["sps"] if default and kind == "variant" else None
+                print(
+                    f"[{name}] {result['sps']:,.0f} steps/s over {result['measured_updates']} updates "
+                    f"({result['measured_seconds']:.1f} s) | learner waited {result['learner_wait']:.0%}, actors "
+                    f"{result['actor_wait']:.0%} | {result['duration_s']:.0f} s in all",
+                    flush=True,
+                )
+            else:
+                failed = True
+                print(f"[{name}] {result['status']}; its last lines:\n  " + "\n  ".join(result["last_output"]))
+            write(report, opts.out)
+
+        if opts.repro:
+            if (ends := elapsed() + opts.repro_seconds) > opts.budget:
+                report["reproducibility"] = [
+                    dict(
+                        check=check,
+                        status="skipped",
+                        result=f"skipped: needs ~{opts.repro_seconds:.0f} s; would end at {ends:.0f} s of the budget",
+                    )
+                    for check in repro_commands(opts)
+                ]
+            else:
+                print(f"[reproducibility] 4 PPO runs at once, at {elapsed():.0f} s", flush=True)
+                start = time.monotonic()
+                report["reproducibility"] = reproducibility(root, log_dir, opts)
+                report["repro_duration_s"] = time.monotonic() - start
+                failed |= any(r["status"] == "failed" for r in report["reproducibility"])
+            for r in report["reproducibility"]:
+                print(f"[reproducibility] {r['check']}: {r.get('result', r['status'])}", flush=True)
+            write(report, opts.out)
+        report["finished"] = True
+    except Interrupted as signal_name:
+        failed = True
+        report["interrupted"] = f"by {signal_name} at {elapsed():.0f} s"
+        print(f"interrupted by {signal_name}: writing what was measured", flush=True)
+    finally:
+        write(report, opts.out)
+        shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(markdown(report), end="")
+    print(f"figures in {os.path.join(opts.out, 'gpu_check.json')} and gpu_check.md", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
