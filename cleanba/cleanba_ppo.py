@@ -105,7 +105,6 @@ class Args:
     process_id: Runtime[int | None] = None  # --distributed outside SLURM: this process's rank
     heartbeat_timeout: Runtime[int] = 25  # --distributed: seconds before the others give up on a silent process
     env_threads: Runtime[int] = 0  # EnvPool threads per actor thread; 0: a pinned, equal share of this process's CPUs
-    # A GPU actor's envs step while others' actions are inferred; on a CPU, the default's one pool is one program.
     env_pools: Runtime[int] = 0  # EnvPools per actor thread, taking turns; 0: 2 on a GPU (if they split), 1 on a CPU
     deterministic_gpu: Runtime[bool] = True  # XLA's deterministic GPU ops: the same command, the same run (off: faster)
 
@@ -168,20 +167,16 @@ class ResNet(nn.Module):
             for _ in range(2):  # a residual block
                 block = nn.Conv(channels, kernel_size=(3, 3))(nn.relu(x))
                 x = x + nn.Conv(channels, kernel_size=(3, 3))(nn.relu(block))
-            if self.q_network:
-                x = nn.LayerNorm()(x)
+            x = nn.LayerNorm()(x) if self.q_network else x
         x = nn.Dense(256)(nn.relu(x.reshape((x.shape[0], -1))))
-        if self.q_network:
-            x = nn.LayerNorm()(x)
-        x = nn.relu(x)
+        x = nn.relu(nn.LayerNorm()(x) if self.q_network else x)
         return x, x  # shared by the policy and the value heads
 
 
 class MLP(nn.Module):
-    """Two 64-unit tanh towers, policy and value, as CleanRL's classic-control PPO (a shared torso's gradient is swamped
-    by the value loss); PQN's Q-network: one tower of 128 units, LayerNorm, ReLU. A dict (MiniGrid's) is encoded key
-    by key: a grid by the MiniGrid authors' small CNN (rl-starter-files) over one-hot cell ids, a discrete value
-    one-hot, a vector as it is."""
+    """Two 64-unit tanh towers (policy, value) as CleanRL's classic-control PPO (a shared torso's gradient is swamped by
+    the value loss); PQN's Q-network: one 128-unit tower, LayerNorm, ReLU. A dict (MiniGrid's), key by key: a grid by
+    the MiniGrid authors' small CNN (rl-starter-files) on one-hot cell ids, a discrete value one-hot, a vector as is."""
 
     discrete_sizes: tuple = (0,)  # per key of the observation (sorted): n of a Discrete(n) value, 0 for an array
     q_network: bool = False  # PQN's tower (README, "PQN": tanh and 64 units fall short on CartPole)
@@ -196,9 +191,7 @@ class MLP(nn.Module):
                 x = nn.relu(nn.LayerNorm()(x)) if self.q_network else nn.tanh(x)
             return x
 
-        parts = [obs]
-        if isinstance(obs, dict):
-            parts = [x for _, x in sorted(obs.items())]
+        parts = [x for _, x in sorted(obs.items())] if isinstance(obs, dict) else [obs]
         features = []
         for x, n in zip(parts, self.discrete_sizes, strict=True):
             if n:
@@ -239,9 +232,7 @@ class LSTMCore(nn.Module):
             return jax.tree.map(lambda part: jnp.where(reset[:, None], 0.0, part), carry), y
 
         scan = nn.scan(step, variable_broadcast="params", split_rngs={"params": False})
-        inputs = towers
-        if self.cores == 1:
-            inputs = [jnp.concatenate(towers, axis=-1)]
+        inputs = [jnp.concatenate(towers, axis=-1)] if self.cores == 1 else towers
         outputs = []
         states = []
         for i, x in enumerate(inputs):
@@ -249,8 +240,7 @@ class LSTMCore(nn.Module):
             (c, h), y = scan(nn.OptimizedLSTMCell(self.size), (own[:, 0], own[:, 1]), (x, reset_after))
             outputs.append(y)
             states.append(jnp.stack([c, h], axis=1))
-        if self.cores == 1:  # one memory for every tower's head
-            outputs = outputs * len(towers)
+        outputs = outputs * len(towers) if self.cores == 1 else outputs  # one memory: every tower's head reads it
         return tuple(outputs), jnp.concatenate(states, axis=-1)
 
 
@@ -310,14 +300,11 @@ def make_networks(args: Args, spec) -> Networks:
     parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
     # A dict's discrete values (Discrete(n): shape ()) are one-hot encoded; n of MultiBinary is a shape.
     discrete_sizes = tuple(getattr(part, "n", 0) if part.shape == () else 0 for part in parts.values())
-    if len(space.shape or ()) == 3:
-        torso = ResNet()
-    else:
-        torso = MLP(discrete_sizes, masked=tuple(args.mask_obs), view_size=args.view_size)
+    frames = len(space.shape or ()) == 3
+    torso = ResNet() if frames else MLP(discrete_sizes, masked=tuple(args.mask_obs), view_size=args.view_size)
     continuous = not hasattr(spec.action_space, "n")
-    core = None
-    if args.lstm_size:  # --critic-core: the value tower's own memory, as in SB3's recurrent PPO
-        core = LSTMCore(args.lstm_size, cores=1 + args.critic_core)
+    # --critic-core: the value tower's own memory, as in SB3's recurrent PPO
+    core = LSTMCore(args.lstm_size, cores=1 + args.critic_core) if args.lstm_size else None
     actor = Actor(spec.action_space.shape[0] if continuous else spec.action_space.n, continuous)
     critic = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))
     convolutional = any(len(part.shape or ()) == 3 for part in parts.values()) and not args.view_size
@@ -347,12 +334,11 @@ def forward(networks: Networks, params, obs, core_state, reset_after) -> Outputs
     def split(x):  # (time * envs, ...) -> (time, envs, ...)
         return x.reshape(time, envs, *x.shape[1:])
 
-    policy_hidden, value_hidden = networks.torso.apply(params["torso"], jax.tree.map(merge, obs))
+    towers = networks.torso.apply(params["torso"], jax.tree.map(merge, obs))
     if networks.core:  # the memory of both towers (the ResNet's two are one)
-        towers = (split(policy_hidden), split(value_hidden))
-        (policy_hidden, value_hidden), core_state = networks.core.apply(params["core"], core_state, towers, reset_after)
-        policy_hidden = merge(policy_hidden)
-        value_hidden = merge(value_hidden)
+        towers, core_state = networks.core.apply(params["core"], core_state, jax.tree.map(split, towers), reset_after)
+        towers = jax.tree.map(merge, towers)
+    policy_hidden, value_hidden = towers
     dist = jax.tree.map(split, networks.actor.apply(params["actor"], policy_hidden))
     return Outputs(dist, split(networks.critic.apply(params["critic"], value_hidden)[:, 0]), core_state)
 
@@ -390,15 +376,8 @@ def to_float32(tree):  # EnvPool's float64 (MuJoCo) as JAX computes without x64
     return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, tree)
 
 
-def receive(envs):  # a pool's step outputs (EnvPool's Python API), as its XLA operation gives them
-    obs, reward, terminated, truncated, info = envs.recv()
-    info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
-    return to_float32((obs, reward, terminated, truncated, info))
-
-
 def first_state(envs, handle, ids: np.ndarray, step: int, networks: Networks) -> EnvState:
-    """The state of a pool's envs (global indices `ids`) just reset (host arrays), their actions keyed from `step` on,
-    their core's zero."""
+    """A pool's just-reset envs (global indices `ids`), in host arrays: actions keyed from `step` on, a zero core."""
     obs, _ = envs.reset()
     zeros = np.zeros(len(ids), np.float32)
     core = np.zeros((len(ids), 2, networks.core.width if networks.core else 0), np.float32)
@@ -454,18 +433,22 @@ def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
         states = list(states)
         records = [[] for _ in pools]
 
-        def act_and_send(pool: int):  # the pool's envs start their step; what the batch records of the policy
+        def act_and_send(pool: int):  # the pool's envs start their step, its core moves on; what the batch records
             action, policy, core = act(params, states[pool])
             pools[pool].send(np.asarray(action, action_dtype))
-            return policy, core
+            states[pool] = states[pool]._replace(core=core)
+            return policy
+
+        def receive(envs):  # a pool's step outputs (EnvPool's Python API), as its XLA operation gives them
+            obs, reward, terminated, truncated, info = envs.recv()
+            info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
+            return to_float32((obs, reward, terminated, truncated, info))
 
         acting = [act_and_send(pool) for pool in range(len(pools))]
         for t in range(args.num_steps):
             for pool, envs in enumerate(pools):
-                policy, core = acting[pool]
-                env = states[pool]._replace(core=core)
-                states[pool], record = observe_step(env, env.handle, receive(envs))
-                records[pool].append({**policy, **record})
+                states[pool], record = observe_step(states[pool], states[pool].handle, receive(envs))
+                records[pool].append({**acting[pool], **record})
                 if t + 1 < args.num_steps:
                     acting[pool] = act_and_send(pool)
         batches = []
@@ -512,11 +495,8 @@ def make_rollout(args: Args, networks: Networks, pools: list, platform: str):
             action = jax.vmap(lambda dist, g: dist.sample(jax.random.fold_in(step_key, g)))(dist, ids)
             policy = dict(actions=action, logprobs=dist.log_prob_and_entropy(action)[0], values=value, core_states=core)
             # The sample is what is stored (a Gaussian's log-probability is of it); the envs get it within bounds.
-            return (
-                (action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)),
-                policy,
-                outputs.core_state,
-            )
+            to_envs = action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)
+            return to_envs, policy, outputs.core_state
 
         return in_groups(args.layout_free_group_size, act_on, env.obs, env.core, env.done, env.ids)
 
@@ -540,19 +520,16 @@ def global_sum(group_size: int, f, *arrays):
     return jax.tree.map(lambda x: jnp.sum(jax.lax.all_gather(x, "devices", tiled=True), axis=0), sums)
 
 
+def weighted_sum(x, valid):  # over time and envs, the two leading axes (time-major): what global_sum adds up
+    return jnp.sum(x * valid, axis=(0, 1))
+
+
 def running_stats(stats: dict, x, valid, group_size: int):
     """Running mean and variance (Chan et al.) updated with the valid x (T, envs, ...) of all envs: layout-free."""
     valid = valid.reshape(valid.shape + (1,) * (x.ndim - 2)).astype(jnp.float32)
     count = jax.lax.psum(jnp.sum(valid), "devices")  # a count: exact in any order
-
-    def total(x, valid):
-        return jnp.sum(x * valid, axis=(0, 1))
-
-    def squares(x, valid):
-        return jnp.sum(jnp.square(x - mean) * valid, axis=(0, 1))
-
-    mean = global_sum(group_size, total, x, valid) / count  # group size 0: psum of each device's total
-    var = global_sum(group_size, squares, x, valid) / count
+    mean = global_sum(group_size, weighted_sum, x, valid) / count  # group size 0: psum of each device's sum
+    var = global_sum(group_size, weighted_sum, jnp.square(x - mean), valid) / count
     delta = mean - stats["mean"]
     total = stats["count"] + count
     m2 = stats["var"] * stats["count"] + var * count + jnp.square(delta) * stats["count"] * count / total
@@ -602,13 +579,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     """The learner's update, data-parallel over the learner devices (pmap axis "devices"). Minibatch k of an epoch takes
     from env g the steps permutation(seed, update, epoch, g)[k*S:(k+1)*S], whatever device holds g; with a core, chunk
     number permutation(...)[k] of S consecutive steps, replayed from its recorded core state. Means are global."""
-    T = args.num_steps
     S = args.num_steps // args.num_minibatches  # time steps of each env in a minibatch
     G = args.layout_free_group_size
-
-    def weighted_sum(x, valid):
-        return jnp.sum(x * valid)
-
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
@@ -630,16 +602,12 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         advantages = mb["advantages"]
         pg_loss = -jnp.minimum(advantages * ratio, advantages * jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef))
         v_loss = 0.5 * jnp.square(outputs.value - mb["returns"])
-
         # Local sums over the global count: the global sum of these gradients is the global mean's gradient.
-        def local_mean(x):
-            return jnp.sum(x * mb["valid"]) / count
-
-        pg_loss = local_mean(pg_loss)
-        v_loss = local_mean(v_loss)
-        entropy = local_mean(entropy)
+        pg_loss = weighted_sum(pg_loss, mb["valid"]) / count
+        v_loss = weighted_sum(v_loss, mb["valid"]) / count
+        entropy = weighted_sum(entropy, mb["valid"]) / count
         loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
-        approx_kl = local_mean((ratio - 1) - logratio)
+        approx_kl = weighted_sum((ratio - 1) - logratio, mb["valid"]) / count
         # Logged: parts of global means (these local sums), added up over devices and groups; and any other value
         # (a coefficient, say), averaged over them. Both read the same on any layout.
         means = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
@@ -659,13 +627,11 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
         def epoch(state, epoch_index):
             epoch_key = jax.random.fold_in(update_key, epoch_index)
-            shuffled = args.num_minibatches if networks.core else T  # chunks, or steps
+            shuffled = args.num_minibatches if networks.core else args.num_steps  # chunks, or steps
             order = jax.vmap(lambda g: jax.random.permutation(jax.random.fold_in(epoch_key, g), shuffled))(env_ids)
             if networks.core:  # whole chunks: chunk c of an env is its steps c*S ... c*S + S - 1, in order
                 order = order[:, :, None] * S + jnp.arange(S)
-            minibatch_steps = order.reshape(local_envs, args.num_minibatches, S).swapaxes(
-                0, 1
-            )  # (minibatches, envs, S)
+            order = order.reshape(local_envs, args.num_minibatches, S).swapaxes(0, 1)  # (minibatches, envs, S)
 
             def minibatch(state, steps):  # steps: (local_envs, S) time indices of each env
                 # (T, local_envs, ...) -> (S, local_envs, ...): env e's steps steps[e], in order
@@ -681,7 +647,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
                 losses["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), losses
 
-            return scan_or_unroll(minibatch, state, minibatch_steps)
+            return scan_or_unroll(minibatch, state, order)
 
         state, losses = scan_or_unroll(epoch, state, jnp.arange(args.update_epochs))
         # params carry what is not trained too (normalisation statistics): forward reads them without a gradient, so
@@ -698,9 +664,8 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
     initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
     torso_key, actor_key, critic_key = jax.random.split(initialisation_key, 3)
     dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
-    torso_params = networks.torso.init(torso_key, dummy_obs)
-    policy_hidden, value_hidden = networks.torso.apply(torso_params, dummy_obs)
-    params = dict(torso=torso_params)
+    params = dict(torso=networks.torso.init(torso_key, dummy_obs))
+    policy_hidden, value_hidden = networks.torso.apply(params["torso"], dummy_obs)
     if networks.core:  # a stream of its own (the other keys are those of a run without a core); it feeds both heads
         core_key = jax.random.fold_in(initialisation_key, 3)
         state = np.zeros((1, 2, networks.core.width), np.float32)
@@ -764,7 +729,7 @@ def main(args: Args):
     actors = Actors(args, cfg, networks, start_update, signals.stop)
 
     update = start_update
-    try:
+    with actors.stopping_all_on_failure():
         actors.publish(replica(state.params), start_update + 1)
         for update in range(start_update + 1, cfg.num_updates + 1):
             timings = {}
@@ -781,10 +746,6 @@ def main(args: Args):
                 break
             run_dir.checkpoint(state, update, if_due=True)
             run_dir.report(update=update, checkpoint=run_dir.last_checkpoint)
-    except StopRequested:
-        pass
-    except BaseException:
-        actors.fail()
     finish(args, cfg, actors, run_dir, signals, state, update)
 
 
@@ -866,19 +827,16 @@ def check_args(args: Args):
     # A Gaussian's sample: one vector of floats, clipped to finite bounds (ViZDoom's button vector has none).
     bounded = hasattr(actions, "n") or np.all(np.abs(np.concatenate([actions.low, actions.high])) < 1e30)
     if not hasattr(actions, "n") and (len(actions.shape) != 1 or actions.dtype.kind != "f" or not bounded):
-        raise ConfigError(
-            f"--env-id {args.env_id}: the policy acts with discrete actions or a bounded vector, not {actions}"
-        )
+        what = "discrete actions or a bounded vector"
+        raise ConfigError(f"--env-id {args.env_id}: the policy acts with {what}, not {actions}")
     networks = make_networks(args, spec)
     if args.capture_video:  # cleanba/record.py knows what it can render here
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
         if check.returncode:
             raise ConfigError(f"--capture-video: {check.stderr.strip()}")
     # Continuous control (MuJoCo) normalises by default.
-    if args.norm_obs is None:
-        args.norm_obs = networks.continuous
-    if args.norm_reward is None:
-        args.norm_reward = networks.continuous
+    args.norm_obs = networks.continuous if args.norm_obs is None else args.norm_obs
+    args.norm_reward = networks.continuous if args.norm_reward is None else args.norm_reward
     if args.norm_obs and hasattr(spec.observation_space, "spaces"):
         default = "on by default with continuous actions: --norm-obs False turns it off"
         raise ConfigError(f"--norm-obs normalises a vector observation, not a dict of them ({default})")
@@ -955,9 +913,7 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
         digest = hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:8]
         run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
         path = f"runs/{run_name}/checkpoint.msgpack"
-        checkpoint = None
-        if args.resume and os.path.exists(path):
-            checkpoint = read_checkpoint(path, run_name, config)
+        checkpoint = read_checkpoint(path, run_name, config) if args.resume and os.path.exists(path) else None
     if not args.resume and cfg.rank == 0 and os.path.exists(path):
         os.remove(path)  # starting over: a later resume must not find the old run
     return cfg, run_name, checkpoint
@@ -974,11 +930,8 @@ def read_checkpoint(path: str, run_name: str, config: dict) -> dict:
         saved = json.loads(checkpoint["config"])
     except Exception as error:
         raise ConfigError(f"--run-name {run_name}: {path} cannot be read ({error}); {RESUME_WAYS_OUT}") from None
-    changed = []
-    for name, value in config.items():
-        before = saved.get(name, DEFAULTS.get(name))
-        if before != value:
-            changed.append(f"{name} ({before!r}, now {value!r})")
+    before = {name: saved.get(name, DEFAULTS.get(name)) for name in config}
+    changed = [f"{name} ({before[name]!r}, now {value!r})" for name, value in config.items() if before[name] != value]
     changed += [f"{name} ({saved[name]!r}, now no such field)" for name in sorted(saved.keys() - config.keys())]
     if changed:
         changed = f"a checkpoint of another configuration: {', '.join(changed)}"
@@ -991,11 +944,10 @@ def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: st
     included (the learning-rate schedule continues), if its networks and optimiser have the same parts and shapes."""
     start_update = 0
     if checkpoint:
-        path = f"runs/{run_name}/checkpoint.msgpack"
         saved = flax.traverse_util.flatten_dict(checkpoint["state"])
         fresh = flax.traverse_util.flatten_dict(flax.serialization.to_state_dict(state))
         if saved.keys() != fresh.keys() or any(np.shape(saved[k]) != np.shape(fresh[k]) for k in fresh):
-            refusal = f"{path} holds other networks or optimiser state; {RESUME_WAYS_OUT}"
+            refusal = f"runs/{run_name}/checkpoint.msgpack holds other networks or optimiser state; {RESUME_WAYS_OUT}"
             raise ConfigError(f"--run-name {run_name}: {refusal}")
         state = flax.serialization.from_state_dict(state, checkpoint["state"])
         start_update = checkpoint["update"]
@@ -1047,42 +999,41 @@ class Actors:
                 self.threads.append((thread, device, *queues))
                 thread.start()  # it waits for the first parameters
 
-    def run(self, *rollout_args):
+    @contextlib.contextmanager
+    def stopping_all_on_failure(self):  # a thread's exception (the learner's too) is recorded and stops every thread
         try:
-            self.rollout(*rollout_args)
+            yield
         except StopRequested:
             pass
         except BaseException:
-            self.fail()
+            self.failures.append((threading.current_thread().name, traceback.format_exc()))
+            self.stop.set()
 
-    def fail(self):  # records the exception this thread is handling, and stops every thread
-        self.failures.append((threading.current_thread().name, traceback.format_exc()))
-        self.stop.set()
-
-    def rollout(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
+    def run(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
         """One actor thread: a rollout per update, with the parameters the learner published for it."""
-        args = self.args
-        num_envs = args.local_num_envs
-        env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
-        threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))  # the thread's cores, for each pool
-        pools_ids = np.split(env_ids, self.cfg.env_pools)
-        pools = [make_env(args, len(ids), int(ids[0]), **threads) for ids in pools_ids]
-        handle, rollout = make_rollout(args, self.networks, pools, device.platform)
-        states = []
-        for envs, ids in zip(pools, pools_ids, strict=True):  # actions keyed from the step the run resumes at
-            states.append(first_state(envs, handle, ids, self.start_update * args.num_steps, self.networks))
-        states = jax.device_put(states, device)
-        for update in range(self.start_update + 1, self.cfg.num_updates + 1):
-            timings = {}
-            # Update 2 reuses the first parameters: from then on the actor collects while the learner trains (see top).
-            if not args.concurrency or update != self.start_update + 2:
-                with timer(timings, "params_queue_get_time"):
-                    params, version = self.blocking(params_queue.get)  # the learner put them on this device
-            with timer(timings, "rollout_time"):
-                states, batch = rollout(params, states)
-                batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
-            with timer(timings, "rollout_queue_put_time"):
-                self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
+        with self.stopping_all_on_failure():
+            args = self.args
+            num_envs = args.local_num_envs
+            env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
+            threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))  # the thread's cores, for each pool
+            pools_ids = np.split(env_ids, self.cfg.env_pools)
+            pools = [make_env(args, len(ids), int(ids[0]), **threads) for ids in pools_ids]
+            handle, rollout = make_rollout(args, self.networks, pools, device.platform)
+            states = []
+            for envs, ids in zip(pools, pools_ids, strict=True):  # actions keyed from the step the run resumes at
+                states.append(first_state(envs, handle, ids, self.start_update * args.num_steps, self.networks))
+            states = jax.device_put(states, device)
+            for update in range(self.start_update + 1, self.cfg.num_updates + 1):
+                timings = {}
+                # Update 2 reuses the first parameters: from then on the actor collects as the learner trains (see top).
+                if not args.concurrency or update != self.start_update + 2:
+                    with timer(timings, "params_queue_get_time"):
+                        params, version = self.blocking(params_queue.get)  # the learner put them on this device
+                with timer(timings, "rollout_time"):
+                    states, batch = rollout(params, states)
+                    batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
+                with timer(timings, "rollout_queue_put_time"):
+                    self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
 
     def publish(self, replica_params, version: int):  # once per actor device (the learner's: nothing to copy)
         on_device = {device: jax.device_put(replica_params, device) for device in self.cfg.actor_devices}
@@ -1136,12 +1087,9 @@ def replicate(tree, cfg: Config):
     """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
     mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
-
-    def replicated(x):  # one copy per local learner device, assembled into the global array
-        local = np.broadcast_to(x, (len(cfg.local_learner_devices), *np.shape(x)))
-        return jax.make_array_from_process_local_data(sharding, local)
-
-    return jax.tree.map(replicated, tree)
+    copies = len(cfg.local_learner_devices)  # one per local learner device, assembled into the global arrays
+    local = jax.tree.map(lambda x: np.broadcast_to(x, (copies, *np.shape(x))), tree)
+    return jax.make_array_from_process_local_data(sharding, local)
 
 
 def replica(tree):  # the copy on this process's first learner device of a tree pmap keeps on each (no computation)
@@ -1154,8 +1102,7 @@ def to_host(tree):  # one replica of a tree that pmap keeps on every learner dev
 
 class StopSignals:
     """SIGTERM (SLURM's preemption) and SIGINT (Ctrl-C). After an update the run stops with a checkpoint, every process
-    after the same update. Before the first there is nothing to save: `stop`, which every queue operation checks, ends
-    the start-up at once (finish)."""
+    after the same update. Before the first there is nothing to save: `stop` (see Actors) ends the start-up at once."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -1195,8 +1142,7 @@ class RunDir:
         self.last_checkpoint = start_update
         self.start_time = time.time()
         self.last_checkpoint_time = self.start_time
-        self.episodes = np.zeros(3)  # the count, return sum and length sum of the episodes since the last log line
-        self.recent_losses = []  # each update's losses since the last log line
+        self.recent = []  # the records of the updates since the last log line
         self.wandb = None
         self.recorder = None  # --capture-video's process
         if args.distributed:  # for cleanba/supervise.py: this process's rank, every process's host, the run's directory
@@ -1253,34 +1199,30 @@ class RunDir:
     def log(self, update: int, data_version: int, record: dict, timings: dict, rollouts: list, state: TrainState):
         """updates.jsonl gets every update; TensorBoard and the console every --log-frequency updates, the losses as
         their mean over the updates since the last log line and the episodes that ended since then."""
-        self.episodes += record["episodes"]
         if not self.active:
             return
         step = update * self.cfg.batch_size
         record = dict(update=update, global_step=step, data_version=data_version, **record)
         self.updates.write(json.dumps(record) + "\n")
-        self.recent_losses.append(record["losses"])
+        self.recent.append(record)
         if update % self.args.log_frequency and update != self.cfg.num_updates:
             return
         elapsed = time.time() - self.start_time
         sps = int((update - self.start_update) * self.cfg.batch_size / elapsed)
-        learning_rate = self.schedule
-        if callable(self.schedule):
-            learning_rate = self.schedule(int(to_host(state.step)))
+        learning_rate = self.schedule(int(to_host(state.step))) if callable(self.schedule) else self.schedule
         scalars = {"charts/SPS": sps, "charts/learning_rate": float(learning_rate), "stats/update": update}
-        episodes, returns, lengths = self.episodes  # sums over the episodes that ended
+        episodes, returns, lengths = np.sum([r["episodes"] for r in self.recent], axis=0)  # of the episodes that ended
         if episodes:
             scalars.update({"charts/episodic_return": returns / episodes, "charts/episodic_length": lengths / episodes})
         scalars.update({"stats/actor_policy_version": data_version, "stats/learner_policy_version": update})
         for name in record["losses"]:
-            scalars[f"losses/{name}"] = np.mean([losses[name] for losses in self.recent_losses])
+            scalars[f"losses/{name}"] = np.mean([r["losses"][name] for r in self.recent])
         for name in rollouts[0].timings:  # the actor threads' mean
             scalars[f"stats/{name}"] = np.mean([rollout.timings[name] for rollout in rollouts])
         scalars.update({f"stats/{name}": seconds for name, seconds in timings.items()})
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
-        self.episodes = np.zeros(3)
-        self.recent_losses = []
+        self.recent = []
         eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
         recent = f"{returns / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
         # The side that waits more is the faster one.
