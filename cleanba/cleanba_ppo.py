@@ -312,8 +312,6 @@ def make_networks(args: Args, spec) -> Networks:
 
 
 class Outputs(NamedTuple):
-    """What the networks give for observations (time, envs, ...)."""
-
     dist: Categorical | DiagonalGaussian  # the policy
     value: jax.Array  # (time, envs)
     core_state: jax.Array  # after the sequence: (envs, 2, core width)
@@ -608,8 +606,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         entropy = weighted_sum(entropy, mb["valid"]) / count
         loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
         approx_kl = weighted_sum((ratio - 1) - logratio, mb["valid"]) / count
-        # Logged: parts of global means (these local sums), added up over devices and groups; and any other value
-        # (a coefficient, say), averaged over them. Both read the same on any layout.
+        # Logged: parts of global means, added up over devices and groups; other values (a coefficient), averaged.
         means = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
         return loss, (means, {})
 
@@ -735,7 +732,10 @@ def main(args: Args):
             timings = {}
             with timer(timings, "rollout_queue_get_time"):
                 rollouts = actors.collect()
-            data_version = check_version_contract(rollouts, update, start_update + 1, args.concurrency)
+            # The version contract (see top): data of version `update`, or with concurrency of the one before.
+            data_version = update - 1 if args.concurrency and update > start_update + 1 else update
+            if (versions := sorted({rollout.version for rollout in rollouts})) != [data_version]:
+                raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}")
             batch = collate(rollouts, len(cfg.local_learner_devices))
             with timer(timings, "update_time"):
                 state, record = learn(update_fn, state, batch, update, run_dir.last_checkpoint)
@@ -1055,14 +1055,6 @@ class Actors:
         raise StopRequested
 
 
-def check_version_contract(rollouts: list[Rollout], update: int, first_update: int, concurrency: bool) -> int:
-    """The learner at version `update` trains on data of that version, or with concurrency of the one before."""
-    expected = update - 1 if concurrency and update > first_update else update
-    if (versions := sorted({r.version for r in rollouts})) != [expected]:
-        raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}, not {expected}")
-    return expected
-
-
 def batch_fingerprint(batch, env_ids):
     """A 32-bit checksum of the batch's exact fields (observations, actions, rewards, episode ends): per env a position-
     weighted, mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact, order-free, so layout-free."""
@@ -1270,10 +1262,9 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
     if signals.received and not signals.updates_done:  # nothing new to save: exit at once, threads still compiling
         # (a signal to the process group, as SLURM's, also fails XLA's compiler processes in them: not an error)
         run_dir.close(finished=False)
-        name = signal.Signals(signals.received[0]).name
-        if cfg.rank == 0:
-            print(f"stopped by {name} during start-up, before update {run_dir.start_update + 1}: nothing new to save")
-        sys.stdout.flush()
+        stopped = f"stopped by {signal.Signals(signals.received[0]).name} during start-up"
+        if cfg.rank == 0:  # flushed: os._exit does not
+            print(f"{stopped}, before update {run_dir.start_update + 1}: nothing new to save", flush=True)
         os._exit(128 + signals.received[0])
     failed = bool(actors.failures)
     if not failed:  # first: the learner's state does not wait for the actors
