@@ -205,7 +205,8 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     cfg = algo.derive_config(args)
     spec = envpool.make_spec(args.env_id, **algo.env_options(args))
     networks = algo.make_networks(args, spec)
-    state, _, _ = algo.init_train_state(args, cfg, networks, spec.observation_space, checkpoint=None)
+    state, _ = algo.init_train_state(args, cfg, networks, spec.observation_space)
+    state, _ = algo.resume(cfg, state, None, "")  # a fresh state, on the learner devices
     replica_params = algo.replica(state.params)
     num_threads = args.num_actor_threads
 
