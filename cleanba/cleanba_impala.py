@@ -111,7 +111,7 @@ class Args:
     process_id: Runtime[int | None] = None  # --distributed outside SLURM: this process's rank
     heartbeat_timeout: Runtime[int] = 25  # --distributed: seconds before the others give up on a silent process
     env_threads: Runtime[int] = 0  # EnvPool threads per actor thread; 0: a pinned, equal share of this process's CPUs
-    env_pools: Runtime[int] = 0  # EnvPools per actor thread, taking turns; 0: 2 on a GPU (if they split), 1 on a CPU
+    env_pools: Runtime[int] = 1  # EnvPools per actor thread, taking turns (more were slower on an H100: performance.md)
     deterministic_gpu: Runtime[bool] = True  # XLA's deterministic GPU ops: the same command, the same run (off: faster)
 
 
@@ -775,10 +775,10 @@ RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
 def check_args(args: Args):
     """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
     positive = "total_timesteps local_num_envs num_steps num_minibatches num_actor_threads log_frequency"
-    for name in [*positive.split(), "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
+    for name in [*positive.split(), "env_pools", "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["checkpoint_interval", "env_threads", "env_pools", "lstm_size", "layout_free_group_size"]:  # 0: auto
+    for name in ["checkpoint_interval", "env_threads", "lstm_size", "layout_free_group_size"]:  # 0: auto
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
@@ -866,9 +866,6 @@ def derive_config(args: Args) -> Config:
         raise ConfigError(f"--layout-free-group-size {group}: {need}")
     smallest_pool = 2 * group or 1  # layout-free: 2 groups or more
     pools = args.env_pools
-    if not pools:  # 2 on a GPU where they split evenly: a pool's envs step while the other's actions are inferred
-        on_gpu = local_devices[args.actor_device_ids[0]].platform != "cpu"
-        pools = 2 if on_gpu and args.local_num_envs % (2 * smallest_pool) == 0 else 1
     if args.local_num_envs % (pools * smallest_pool):
         need = f"--local-num-envs {args.local_num_envs} must be a multiple of {pools * smallest_pool}"
         raise ConfigError(f"--env-pools {pools}: {need} ({pools} pools of {smallest_pool} envs or a multiple)")

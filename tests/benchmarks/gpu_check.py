@@ -18,8 +18,8 @@ check cut short still leaves what it measured:
    process, not its group: that would also stop XLA's compiler processes). Steady steps/s: the steps between the
    first and the last timed console line over the time between their arrivals; the learner's and the actors'
    waits: their means over the timed updates (the side that waits is not the bottleneck). Then, as the budget
-   allows, the speed flag (--no-deterministic-gpu: the cost of deterministic GPU ops) and IMPALA's --env-pools 1
-   and 4 (the default is 2 on a GPU), with their steps/s over the default run's;
+   allows, the speed flag (--no-deterministic-gpu: the cost of deterministic GPU ops) and IMPALA's --env-pools 2
+   and 4 (the default is 1), with their steps/s over the default run's;
 4. reproducibility, after the throughput runs (so that it does not disturb their timings), four PPO runs at once
    sharing the GPU (no memory preallocation; 4 EnvPool threads each): the same command twice, and a layout-free
    run (--layout-free-group-size 4) on 1 and on 2 actor threads; each pair is bitwise identical (updates.jsonl),
@@ -79,7 +79,7 @@ RUNS = [
     ("impala", "impala", [], "default"),
     ("pqn", "pqn", [], "default"),
     ("impala-nondet", "impala", ["--no-deterministic-gpu"], "variant"),
-    ("impala-pools1", "impala", ["--env-pools", "1"], "variant"),
+    ("impala-pools2", "impala", ["--env-pools", "2"], "variant"),
     ("pqn-nondet", "pqn", ["--no-deterministic-gpu"], "variant"),
     ("impala-pools4", "impala", ["--env-pools", "4"], "variant"),
     ("ppo-nondet", "ppo", ["--no-deterministic-gpu"], "variant"),
