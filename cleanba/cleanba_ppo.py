@@ -94,6 +94,7 @@ class Args:
     resume: Runtime[bool] = True  # resume from runs/<run_name>/checkpoint.msgpack if it exists; --no-resume: start over
     checkpoint_interval: Runtime[int] = 100  # checkpoint every this many updates (0: by --checkpoint-minutes only)
     checkpoint_minutes: Runtime[float] = 15.0  # also write a checkpoint this many minutes after the last one
+    keep_checkpoints: Runtime[int] = 2  # the newest kept; a resume falls back to an older one if the newest is unusable
     compilation_cache_dir: Runtime[str | None] = "runs/.compilation_cache"  # resumed runs skip compiling (None: off)
     # The layout: where the run executes, not which algorithm (bit for bit: --layout-free-group-size).
     actor_device_ids: Runtime[list[int]] = dataclasses.field(default_factory=lambda: [0])  # the actors' inference
@@ -121,14 +122,12 @@ class Config(NamedTuple):
     actor_devices: list
     learner_devices: list  # global, over all processes, in rank order
     local_learner_devices: list
-    env_pools: int  # per actor thread
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Environments
-# The run's random streams: keys folded from --seed, then with indices free of the layout: actions with (step, global
-# env), minibatches with (update, epoch or group, global env); initialisation splits into torso and heads, core: 3.
-# Fixed numbers: every result depends on them.
+# The run's random streams, fixed numbers every result depends on: keys folded from --seed, then with indices free of
+# the layout: actions (step, global env), minibatches (update, epoch or group, global env), initialisation (core: 3).
 ACTIONS = 0
 MINIBATCHES = 1
 INITIALISATION = 3
@@ -342,11 +341,9 @@ def forward(networks: Networks, params, obs, core_state, reset_after) -> Outputs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The rollout. Each actor thread (Actors, below the signpost) makes its EnvPools (make_env), their first_state, and
-# once its rollout (make_rollout): the policy's `act` on a group of envs and `bootstrap`, what the learner needs after
-# the last step, go to compile_rollout, which runs act -> the envs' step -> observe (the envs' next state and what the
-# batch records) num_steps times, then bootstrap. Per update, with the parameters the learner published last, the
-# thread calls rollout(params, states) and puts a Rollout on its queue; collate puts the threads' batches together.
+# The rollout. Each actor thread (Actors, below the signpost) makes its EnvPools (make_env), their first_state, and its
+# rollout (make_rollout -> compile_rollout: act -> the envs' step -> observe, num_steps times, then bootstrap); per
+# update it calls rollout(params, states) and puts a Rollout on its queue; collate puts the threads' batches together.
 class Rollout(NamedTuple):
     """What an actor thread puts on its rollout queue: one update's data from its environments."""
 
@@ -716,8 +713,7 @@ def main(args: Args):
     spec = envpool.make_spec(args.env_id, **env_options(args))
     networks = make_networks(args, spec)
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
-    with refusing_bad_input():
-        state, start_update = resume(cfg, state, checkpoint, run_name)
+    state, start_update = resume(cfg, state, checkpoint, run_name)
     if start_update == cfg.num_updates:
         print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({RESUME_WAYS_OUT})")
         return
@@ -757,18 +753,9 @@ class ConfigError(ValueError):
     """Bad input: reported as one line and exit status 2, before anything is created."""
 
 
-@contextlib.contextmanager
-def refusing_bad_input():
-    """Bad input (ConfigError): one line naming the flag or file at fault, exit status 2, nothing written."""
-    try:
-        yield
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
 DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
+CHECKPOINT_NOT_WRITTEN = 74  # EX_IOERR (sysexits.h): an input/output error
 # --capture-video's companion process (a tool beside the scripts, which never import it).
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
 
@@ -776,7 +763,8 @@ RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
 def check_args(args: Args):
     """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
     positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
-    for name in [*positive.split(), "env_pools", "heartbeat_timeout", "learning_rate", "checkpoint_minutes"]:
+    positive += " env_pools keep_checkpoints heartbeat_timeout learning_rate checkpoint_minutes"
+    for name in positive.split():
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ["checkpoint_interval", "env_threads", "lstm_size", "layout_free_group_size"]:  # 0: auto
@@ -865,10 +853,9 @@ def derive_config(args: Args) -> Config:
         need = f"two groups or more in each actor thread and learner device: {envs} must be multiples of {2 * group}"
         raise ConfigError(f"--layout-free-group-size {group}: {need}")
     smallest_pool = 2 * group or 1  # layout-free: 2 groups or more
-    pools = args.env_pools
-    if args.local_num_envs % (pools * smallest_pool):
-        need = f"--local-num-envs {args.local_num_envs} must be a multiple of {pools * smallest_pool}"
-        raise ConfigError(f"--env-pools {pools}: {need} ({pools} pools of {smallest_pool} envs or a multiple)")
+    if args.local_num_envs % (args.env_pools * smallest_pool):
+        need = f"--local-num-envs {args.local_num_envs} must be a multiple of {args.env_pools * smallest_pool}"
+        raise ConfigError(f"--env-pools {args.env_pools}: {need} (pools of {smallest_pool} envs or a multiple)")
     num_envs = envs_per_process * world_size
     batch_size = num_envs * args.num_steps
     if args.total_timesteps < batch_size:
@@ -879,7 +866,7 @@ def derive_config(args: Args) -> Config:
     num_updates = args.total_timesteps // batch_size
     offset = jax.process_index() * envs_per_process
     rank = jax.process_index()
-    return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners, pools)
+    return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
 
 
 def algorithm_config(args: Args, cfg: Config) -> dict:
@@ -895,38 +882,46 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
     if "xla_gpu_deterministic_ops" not in xla_flags:
         deterministic = f"--xla_gpu_deterministic_ops={str(args.deterministic_gpu).lower()}"
         os.environ["XLA_FLAGS"] = f"{xla_flags} {deterministic}".strip()
-    with refusing_bad_input():
-        check_args(args)
-        if args.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        if args.distributed:
-            # The others give up on a dead process after the heartbeat timeout; at the end, they wait for process 0.
-            timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
-            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
-        cfg = derive_config(args)
-        config = algorithm_config(args, cfg)
-        # The name's hash covers the values that differ from their defaults: a new field at its default renames nothing.
-        named = {k: v for k, v in config.items() if k not in DEFAULTS or v != DEFAULTS[k]}
-        digest = hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:8]
-        run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
-        path = f"runs/{run_name}/checkpoint.msgpack"
-        checkpoint = read_checkpoint(path, run_name, config) if args.resume and os.path.exists(path) else None
-    if not args.resume and cfg.rank == 0 and os.path.exists(path):
+    check_args(args)
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+    if args.distributed:
+        # The others give up on a dead process after the heartbeat timeout; at the end, they wait for process 0.
+        timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
+    cfg = derive_config(args)
+    config = algorithm_config(args, cfg)
+    # The name's hash covers the values that differ from their defaults: a new field at its default renames nothing.
+    named = {k: v for k, v in config.items() if k not in DEFAULTS or v != DEFAULTS[k]}
+    digest = hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:8]
+    run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
+    paths = [path for path in checkpoint_paths(f"runs/{run_name}", args.keep_checkpoints) if os.path.exists(path)]
+    checkpoint = read_checkpoint(paths, run_name, config) if args.resume and paths else None
+    for path in paths if not args.resume and cfg.rank == 0 else []:
         os.remove(path)  # starting over: a later resume must not find the old run
     return cfg, run_name, checkpoint
 
 
-def read_checkpoint(path: str, run_name: str, config: dict) -> dict:
-    """The checkpoint's contents; bad input if it is cut short (an interrupted copy), not a checkpoint, or of another
-    configuration (a field the checkpoint predates counts at its default)."""
-    try:
+def checkpoint_paths(run_dir: str, keep: int) -> list[str]:  # the newest first
+    return [f"{run_dir}/checkpoint.msgpack", *[f"{run_dir}/checkpoint.{age}.msgpack" for age in range(1, keep)]]
+
+
+def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
+    """The newest checkpoint whose checksum holds (not cut short, no bit changed), if it is of this configuration (a
+    field the checkpoint predates counts at its default). Those passed over are named in one line; none: bad input."""
+    unusable = []
+    for path in paths:
         with open(path, "rb") as f:
-            checkpoint = flax.serialization.msgpack_restore(f.read())
-        if not {"state", "update", "config"} <= set(checkpoint) or not isinstance(checkpoint["state"], dict):
-            raise ValueError("not a Cleanba checkpoint")
-        saved = json.loads(checkpoint["config"])
-    except Exception as error:
-        raise ConfigError(f"--run-name {run_name}: {path} cannot be read ({error}); {RESUME_WAYS_OUT}") from None
+            digest, _, contents = f.read().partition(b"\n")  # the SHA-256 of the rest, then the msgpack
+        if hashlib.sha256(contents).hexdigest().encode() == digest:
+            break
+        unusable.append(f"{path} is cut short or changed (its SHA-256 checksum does not match)")
+    else:
+        raise ConfigError(f"--run-name {run_name}: {'; '.join(unusable)}; {RESUME_WAYS_OUT}")
+    if unusable and jax.process_index() == 0:
+        print(f"{'; '.join(unusable)}: resuming from {path}, the newest checkpoint that can be used")
+    checkpoint = flax.serialization.msgpack_restore(contents)
+    saved = json.loads(checkpoint["config"])
     before = {name: saved.get(name, DEFAULTS.get(name)) for name in config}
     changed = [f"{name} ({before[name]!r}, now {value!r})" for name, value in config.items() if before[name] != value]
     changed += [f"{name} ({saved[name]!r}, now no such field)" for name in sorted(saved.keys() - config.keys())]
@@ -944,7 +939,7 @@ def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: st
         saved = flax.traverse_util.flatten_dict(checkpoint["state"])
         fresh = flax.traverse_util.flatten_dict(flax.serialization.to_state_dict(state))
         if saved.keys() != fresh.keys() or any(np.shape(saved[k]) != np.shape(fresh[k]) for k in fresh):
-            refusal = f"runs/{run_name}/checkpoint.msgpack holds other networks or optimiser state; {RESUME_WAYS_OUT}"
+            refusal = f"its checkpoint holds other networks or optimiser state; {RESUME_WAYS_OUT}"
             raise ConfigError(f"--run-name {run_name}: {refusal}")
         state = flax.serialization.from_state_dict(state, checkpoint["state"])
         start_update = checkpoint["update"]
@@ -1010,15 +1005,13 @@ class Actors:
         """One actor thread: a rollout per update, with the parameters the learner published for it."""
         with self.stopping_all_on_failure():
             args = self.args
-            num_envs = args.local_num_envs
-            env_ids = np.arange(num_envs) + self.cfg.env_offset + thread_id * num_envs  # global indices
+            env_ids = self.cfg.env_offset + thread_id * args.local_num_envs + np.arange(args.local_num_envs)  # global
             threads = env_threads(args, thread_id, sorted(os.sched_getaffinity(0)))  # the thread's cores, for each pool
-            pools_ids = np.split(env_ids, self.cfg.env_pools)
+            pools_ids = np.split(env_ids, args.env_pools)
             pools = [make_env(args, len(ids), int(ids[0]), **threads) for ids in pools_ids]
             handle, rollout = make_rollout(args, self.networks, pools, device.platform)
-            states = []
-            for envs, ids in zip(pools, pools_ids, strict=True):  # actions keyed from the step the run resumes at
-                states.append(first_state(envs, handle, ids, self.start_update * args.num_steps, self.networks))
+            step = self.start_update * args.num_steps  # actions keyed from the step the run resumes at
+            states = [first_state(envs, handle, pools_ids[i], step, self.networks) for i, envs in enumerate(pools)]
             states = jax.device_put(states, device)
             for update in range(self.start_update + 1, self.cfg.num_updates + 1):
                 timings = {}
@@ -1039,11 +1032,6 @@ class Actors:
 
     def collect(self) -> list[Rollout]:
         return [self.blocking(rollout_queue.get) for *_, rollout_queue in self.threads]
-
-    def join(self, timeout: float):
-        deadline = time.time() + timeout
-        for thread, *_ in self.threads:
-            thread.join(timeout=max(0.0, deadline - time.time()))
 
     def blocking(self, queue_operation, *item):  # a queue's put or get, retried until it succeeds or the run stops
         while not self.stop.is_set():
@@ -1129,8 +1117,7 @@ class RunDir:
         self.active = cfg.rank == 0
         self.start_update = start_update
         self.last_checkpoint = start_update
-        self.start_time = time.time()
-        self.last_checkpoint_time = self.start_time
+        self.start_time = self.last_checkpoint_time = time.time()
         self.recent = []  # the records of the updates since the last log line
         self.wandb = None
         self.recorder = None  # --capture-video's process
@@ -1221,11 +1208,12 @@ class RunDir:
         print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")
 
     def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
-        """Written, flushed, then renamed (a reader never sees a partial file): when due, and when the run stops."""
+        """When due, and when the run stops: its checksum and contents written whole and flushed, then the older ones
+        moved back (the newest --keep-checkpoints kept) and it is renamed into place. A failed write stops the run."""
         interval = self.args.checkpoint_interval
         elapsed = time.time() - self.last_checkpoint_time
         due = (interval and update % interval == 0) or elapsed > 60 * self.args.checkpoint_minutes
-        if if_due and not due:
+        if (if_due and not due) or update == self.last_checkpoint:  # (the last update's is written once)
             return
         self.last_checkpoint = update
         self.last_checkpoint_time = time.time()
@@ -1233,11 +1221,21 @@ class RunDir:
             return
         config = json.dumps(algorithm_config(self.args, self.cfg), sort_keys=True)
         checkpoint = dict(state=flax.serialization.to_state_dict(to_host(state)), update=update, config=config)
-        with open(f"{self.path}/checkpoint.msgpack.tmp", "wb") as f:
-            f.write(flax.serialization.msgpack_serialize(checkpoint))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(f"{self.path}/checkpoint.msgpack.tmp", f"{self.path}/checkpoint.msgpack")
+        contents = flax.serialization.msgpack_serialize(checkpoint)
+        paths = checkpoint_paths(self.path, self.args.keep_checkpoints)
+        try:
+            with open(f"{paths[0]}.tmp", "wb") as f:
+                f.write(hashlib.sha256(contents).hexdigest().encode() + b"\n" + contents)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:  # disk full, quota, a file-size limit: the checkpoints written before stay as they are
+            kept = "the checkpoints written before are intact: run the same command to resume"
+            print(f"error: writing {paths[0]}.tmp after update {update} failed ({error}); {kept}", file=sys.stderr)
+            os._exit(CHECKPOINT_NOT_WRITTEN)
+        for age in reversed(range(1, len(paths))):  # the oldest kept is replaced by the one after it, and so on
+            if os.path.exists(paths[age - 1]):
+                os.replace(paths[age - 1], paths[age])
+        os.replace(f"{paths[0]}.tmp", paths[0])
 
     def close(self, finished: bool):
         if self.recorder and not finished:
@@ -1266,7 +1264,9 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
     failed = bool(actors.failures)
     if not failed:  # first: the learner's state does not wait for the actors
         run_dir.checkpoint(state, update)
-    actors.join(timeout=30)
+    deadline = time.time() + 30
+    for thread, *_ in actors.threads:
+        thread.join(timeout=max(0.0, deadline - time.time()))
     for name, trace in actors.failures:
         print(f"error in thread {name}:\n{trace}", file=sys.stderr)
     preempted = not failed and update < cfg.num_updates
@@ -1281,8 +1281,7 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
             f.write(flax.serialization.to_bytes(to_host(state.params)))  # normalisation statistics included
         print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_dir.path})")
     run_dir.close(finished=not failed and not preempted)
-    if failed and args.distributed:
-        sys.stderr.flush()
+    if failed and args.distributed:  # (stderr is line-buffered: the tracebacks are out)
         os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
     if failed or preempted:
         sys.exit(1 if failed else 128 + signum)
@@ -1294,4 +1293,8 @@ if __name__ == "__main__":
     if "--distributed" in sys.argv[1:] and not os.environ.get("CLEANBA_SUPERVISED") and os.path.exists(supervisor):
         os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
     sys.stdout.reconfigure(line_buffering=True)  # progress lines reach log files (SLURM's) as they are printed
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except ConfigError as error:  # bad input: one line naming the flag or file at fault, exit status 2, nothing written
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -60,7 +60,7 @@ def main(run_dir: str, parent: int):
             continue
         recorded = modified
         with open(path, "rb") as f:  # the scripts write checkpoints whole, then rename them into place
-            checkpoint = flax.serialization.msgpack_restore(f.read())
+            checkpoint = flax.serialization.msgpack_restore(f.read().partition(b"\n")[2])  # after its checksum line
         recorder = recorder or Recorder(run_dir, max_frames=MAX_FRAMES)
         frames, episode_return = recorder.episode(on_actor_axis(checkpoint["state"]["params"]))
         update = int(checkpoint["update"])

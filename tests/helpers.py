@@ -228,9 +228,18 @@ def finished_run(cwd, output: str = "") -> Run:
     return Run(path, output, config, records, read_scalars(path))
 
 
-def load_checkpoint(run_dir) -> dict:
-    with open(os.path.join(run_dir, "checkpoint.msgpack"), "rb") as f:
-        return flax.serialization.msgpack_restore(f.read())
+def load_checkpoint(run_dir, name: str = "checkpoint.msgpack") -> dict:
+    """A checkpoint's contents (its first line is the SHA-256 of the rest, which read_checkpoint checks)."""
+    with open(os.path.join(run_dir, name), "rb") as f:
+        return flax.serialization.msgpack_restore(f.read().partition(b"\n")[2])
+
+
+def stop_actors(actors, timeout: float = 30):
+    """Stops a script's Actors (as its finish() does) and waits for their threads."""
+    actors.stop.set()
+    deadline = time.time() + timeout
+    for thread, *_ in actors.threads:
+        thread.join(timeout=max(0.0, deadline - time.time()))
 
 
 class Parts(NamedTuple):

@@ -5,8 +5,10 @@ are tested with the learning run (test_training.py).
 Faults are injected by tests/with_fault.py (CLEANBA_FAULT=<actor|learner|nan|sigterm|checkpoint>@<update>).
 """
 
+import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -40,6 +42,7 @@ from helpers import (
 )
 
 LONG_CARTPOLE = [*CARTPOLE, "--total-timesteps", 2_000_000, "--log-frequency", 50]
+CHECKPOINT_FILES = ["checkpoint.msgpack", "checkpoint.1.msgpack"]  # the newest first (--keep-checkpoints 2)
 
 
 def run_with_fault(cwd, fault, *flags, algo, timeout=90):
@@ -159,7 +162,9 @@ def test_a_new_flag_keeps_runs_and_an_unusable_checkpoint_is_refused(sync_run, t
         f.write(whole[: len(whole) // 2])  # as an interrupted copy between clusters leaves it
     files = sorted(str(p) for p in cwd.rglob("*") if ".compilation_cache" not in str(p))
     cut_short = run(cwd, *SYNC_FLAGS, shared_cache=False)
-    assert refusal(cut_short).startswith("error: --run-name sync: runs/sync/checkpoint.msgpack cannot be read (")
+    assert refusal(cut_short).startswith(
+        "error: --run-name sync: runs/sync/checkpoint.msgpack is cut short or changed ("
+    )
     assert sorted(str(p) for p in cwd.rglob("*") if ".compilation_cache" not in str(p)) == files
 
 
@@ -212,6 +217,72 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
     assert load_checkpoint(only_run(tmp_path))["update"] == 150
     assert resumed_from == sorted(resumed_from)
     assert len(run_dirs(tmp_path)) == 1
+
+
+CHECKPOINTED = [*CARTPOLE, "--num-actor-threads", 1, "--checkpoint-interval", 4]
+
+
+def updates_logged(run_dir) -> list[int]:
+    with open(os.path.join(run_dir, "updates.jsonl")) as f:
+        return [json.loads(line)["update"] for line in f]
+
+
+def test_a_changed_checkpoint_is_passed_over_for_the_one_before(tmp_path):
+    """One bit flipped in the newest checkpoint (a storage or copy error) fails its checksum: the run names it in one
+    line and resumes from the one before (--keep-checkpoints 2, the default), then redoes the updates in between,
+    each logged once. The checkpoint code is the same in every script (tests/test_scripts.py); PPO runs it here."""
+    flags = [*CHECKPOINTED, "--total-timesteps", 16 * 4 * 32]
+    proc, output = run_with_fault(tmp_path, "sigterm@10", *flags, algo="ppo")
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    run_dir = only_run(tmp_path)
+    assert [load_checkpoint(run_dir, name)["update"] for name in CHECKPOINT_FILES] == [10, 8]
+    with open(os.path.join(run_dir, "checkpoint.msgpack"), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    proc = start(tmp_path, *flags)
+    output = proc.communicate(timeout=300)[0]
+    name = os.path.relpath(run_dir, tmp_path)
+    passed_over = f"{name}/checkpoint.msgpack is cut short or changed (its SHA-256 checksum does not match): "
+    passed_over += f"resuming from {name}/checkpoint.1.msgpack, the newest checkpoint that can be used"
+    assert proc.returncode == 0 and output.count(passed_over) == 1 and "after update 8 " in output, output[-3000:]
+    assert updates_logged(run_dir) == list(range(1, 17))
+    assert [load_checkpoint(run_dir, name)["update"] for name in CHECKPOINT_FILES] == [16, 12]
+
+
+def test_a_failed_checkpoint_write_stops_in_one_line_and_keeps_the_ones_before(tmp_path):
+    """A checkpoint that cannot be written (here a file-size limit; a full disk or a quota alike) stops the run at once:
+    one line naming the file and the OS error, exit status 74 (EX_IOERR), the checkpoints before it unchanged. The same
+    command, once it can write, resumes from them."""
+    flags = [*CHECKPOINTED, "--total-timesteps", 12 * 4 * 32]
+    proc, output = run_with_fault(tmp_path, "sigterm@6", *flags, algo="ppo")
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    run_dir = only_run(tmp_path)
+    written = {}
+    for name in CHECKPOINT_FILES:
+        with open(os.path.join(run_dir, name), "rb") as f:
+            written[name] = f.read()
+    limit = len(written["checkpoint.msgpack"]) // 2  # the logs of 12 updates stay far below it
+    limited = subprocess.run(
+        command("ppo", [*flags, "--compilation-cache-dir", "None"], shared_cache=False),  # it would write there too
+        cwd=tmp_path,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    name = os.path.relpath(run_dir, tmp_path)
+    expected = f"error: writing {name}/checkpoint.msgpack.tmp after update 8 failed ([Errno 27] File too large); "
+    expected += "the checkpoints written before are intact: run the same command to resume"
+    assert limited.returncode == 74 and limited.stderr.strip().splitlines() == [expected], limited.stderr[-3000:]
+    for name, contents in written.items():
+        with open(os.path.join(run_dir, name), "rb") as f:
+            assert f.read() == contents, name
+    resumed = run(tmp_path, *flags)
+    assert resumed.returncode == 0 and "after update 6 " in resumed.stdout, resumed.stderr[-3000:]
+    assert updates_logged(run_dir) == list(range(1, 13))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, algo):

@@ -16,6 +16,7 @@ from helpers import (
     read_scalars,
     script_parts,
     start,
+    stop_actors,
     train,
     values,
     wait_for_updates,
@@ -51,8 +52,7 @@ def test_the_learner_replays_what_the_actor_computed(algo):
             actors.publish(script.replica(state.params), version)
             (rollout,) = actors.collect()
     finally:
-        actors.stop.set()
-        actors.join(timeout=30)
+        stop_actors(actors)
     batch = script.collate([rollout], 1)
     first_steps = ~batch["valid"][0]  # episodes that start after a reset step, at no chunk boundary in particular
     assert first_steps.sum() >= 4 and first_steps[1:].reshape(31, 4).any(axis=1).sum() >= 4

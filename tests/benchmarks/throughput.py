@@ -188,7 +188,8 @@ def actor_alone(algo, args, cfg, networks, replica_params, rollouts: int):
         elapsed = time.perf_counter() - start
     finally:
         actors.stop.set()
-        actors.join(timeout=30)
+        for thread, *_ in actors.threads:
+            thread.join(timeout=30)
     if actors.failures:
         raise RuntimeError(actors.failures[0][1])
     steps = (rollouts - 1) * len(actors.threads) * args.local_num_envs * args.num_steps
