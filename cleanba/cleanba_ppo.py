@@ -446,9 +446,8 @@ def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
                 records[pool].append({**acting[pool], **record})
                 if t + 1 < args.num_steps:
                     acting[pool] = act_and_send(pool)
-        batches = []
-        for env, steps in zip(states, records, strict=True):
-            batches.append(bootstrap(params, env, jax.tree.map(lambda *step: jnp.stack(step), *steps)))
+        stacked = [jax.tree.map(lambda *step: jnp.stack(step), *steps) for steps in records]
+        batches = [bootstrap(params, env, batch) for env, batch in zip(states, stacked, strict=True)]
         return states, jax.tree.map(lambda *pool: jnp.concatenate(pool, axis=1), *batches)
 
     return np.zeros(1, np.uint8), in_turns  # a handle that orders nothing: EnvPool's Python API runs in order
@@ -1208,8 +1207,8 @@ class RunDir:
         print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")
 
     def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
-        """When due, and when the run stops: its checksum and contents written whole and flushed, then the older ones
-        moved back (the newest --keep-checkpoints kept) and it is renamed into place. A failed write stops the run."""
+        """When due, and when the run stops: written whole and flushed with its checksum, the --keep-checkpoints older
+        moved back a place (hard links: checkpoint.msgpack is never missing), then renamed in. A failed write stops."""
         interval = self.args.checkpoint_interval
         elapsed = time.time() - self.last_checkpoint_time
         due = (interval and update % interval == 0) or elapsed > 60 * self.args.checkpoint_minutes
@@ -1232,9 +1231,11 @@ class RunDir:
             kept = "the checkpoints written before are intact: run the same command to resume"
             print(f"error: writing {paths[0]}.tmp after update {update} failed ({error}); {kept}", file=sys.stderr)
             os._exit(CHECKPOINT_NOT_WRITTEN)
-        for age in reversed(range(1, len(paths))):  # the oldest kept is replaced by the one after it, and so on
-            if os.path.exists(paths[age - 1]):
-                os.replace(paths[age - 1], paths[age])
+        for older, newer in reversed(list(zip(paths[1:], paths[:-1], strict=True))):
+            if os.path.exists(newer):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(older)
+                os.link(newer, older)
         os.replace(f"{paths[0]}.tmp", paths[0])
 
     def close(self, finished: bool):
@@ -1254,8 +1255,7 @@ class RunDir:
 def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, state: TrainState, update: int):
     """Stops every thread and exits: 1 after a failure (its traceback once), 128 + signal after a stop signal."""
     actors.stop.set()
-    if signals.received and not signals.updates_done:  # nothing new to save: exit at once, threads still compiling
-        # (a signal to the process group, as SLURM's, also fails XLA's compiler processes in them: not an error)
+    if signals.received and not signals.updates_done:  # nothing to save: exit at once (compiling may fail: no error)
         run_dir.close(finished=False)
         stopped = f"stopped by {signal.Signals(signals.received[0]).name} during start-up"
         if cfg.rank == 0:  # flushed: os._exit does not
