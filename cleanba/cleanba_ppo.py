@@ -918,7 +918,7 @@ def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
     else:
         raise ConfigError(f"--run-name {run_name}: {'; '.join(unusable)}; {RESUME_WAYS_OUT}")
     if unusable and jax.process_index() == 0:
-        print(f"{'; '.join(unusable)}: resuming from {path}, the newest checkpoint that can be used")
+        print(f"{'; '.join(unusable)}: renamed *.unusable, resuming from {path}, the newest usable checkpoint")
     checkpoint = flax.serialization.msgpack_restore(contents)
     saved = json.loads(checkpoint["config"])
     before = {name: saved.get(name, DEFAULTS.get(name)) for name in config}
@@ -927,7 +927,7 @@ def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
     if changed:
         changed = f"a checkpoint of another configuration: {', '.join(changed)}"
         raise ConfigError(f"--run-name {run_name} has {changed}; pass --no-resume to start it over")
-    return checkpoint
+    return {**checkpoint, "passed_over": paths[: len(unusable)]}
 
 
 def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: str) -> tuple[TrainState, int]:
@@ -944,6 +944,8 @@ def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: st
         start_update = checkpoint["update"]
     if cfg.world_size > 1:  # every process resumes from process 0's checkpoint, shared filesystem or not
         state, start_update = jax.device_get(multihost_utils.broadcast_one_to_all((state, start_update)))
+    for path in checkpoint["passed_over"] if checkpoint and cfg.rank == 0 else []:  # every process has read them
+        os.replace(path, f"{path}.unusable")  # set aside: the next checkpoint must not move them back as usable
     return replicate(state, cfg), int(start_update)
 
 
@@ -1098,8 +1100,6 @@ class StopSignals:
     def after_update(self) -> bool:
         """Whether to stop now: a signal reached this process, or with several processes any of them."""
         self.updates_done += 1
-        if self.cfg.world_size == 1:
-            return bool(self.received)
         stop = np.full(len(self.cfg.local_learner_devices), bool(self.received), np.int32)
         return bool(to_host(self.any_process(stop)))
 

@@ -245,10 +245,11 @@ def test_a_changed_checkpoint_is_passed_over_for_the_one_before(tmp_path):
     output = proc.communicate(timeout=300)[0]
     name = os.path.relpath(run_dir, tmp_path)
     passed_over = f"{name}/checkpoint.msgpack is cut short or changed (its SHA-256 checksum does not match): "
-    passed_over += f"resuming from {name}/checkpoint.1.msgpack, the newest checkpoint that can be used"
+    passed_over += f"renamed *.unusable, resuming from {name}/checkpoint.1.msgpack, the newest usable checkpoint"
     assert proc.returncode == 0 and output.count(passed_over) == 1 and "after update 8 " in output, output[-3000:]
     assert updates_logged(run_dir) == list(range(1, 17))
     assert [load_checkpoint(run_dir, name)["update"] for name in CHECKPOINT_FILES] == [16, 12]
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.msgpack.unusable"))  # set aside, never moved back
 
 
 def test_a_failed_checkpoint_write_stops_in_one_line_and_keeps_the_ones_before(tmp_path):
@@ -347,3 +348,4 @@ def test_a_lost_process_is_reported_in_one_line(tmp_path, algo, victim, how):
     # At least update 19: the survivor logged update 20, whose end (the processes agree to go on) needs the lost one.
     assert int(update) >= 19 and int(checkpoint_update) == int(update) // 10 * 10  # --checkpoint-interval 10
     assert os.path.exists(tmp_path / checkpoint)
+
