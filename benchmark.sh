@@ -24,6 +24,9 @@
 #   impala-atari57-8gpu      IMPALA on 8 GPUs per run, same layout
 #   impala-atari57-2nodes    IMPALA on 2 nodes x 4 GPUs per run (a0-l1,2,3-d2), --distributed under srun
 #   pqn-atari57              PQN, Atari-57 x 3 seeds, 10M steps (the paper's budget), one GPU per run, synchronous
+#   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
+#                            kinds each from a seeded schedule, every invariant checked; figures in
+#                            docs/results/soak/soak.{json,md} (~40 minutes on 2 CPU cores)
 #   gpu-throughput           on this machine's GPU: the throughput benchmark at the papers' Atari defaults (PPO,
 #                            IMPALA and PQN, synchronous and Cleanba, a0-l0) against EnvPool alone on its cores (~12
 #                            min on an H100); figures in results/gpu_throughput.json
@@ -199,6 +202,8 @@ case "$grid" in
     launch --slurm --job-name pqn --log-dir launch_logs/pqn --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_pqn.py --exp-name cleanba_pqn_a0_l0_d1 --track ;;
   # --8<-- [end:atari]
+  soak)
+    $PYTHON tests/soak.py --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
   gpu-throughput)
     mkdir -p results
     $PYTHON tests/benchmarks/throughput.py --configs atari --out results/gpu_throughput.json "$@" ;;

@@ -1131,11 +1131,8 @@ class RunDir:
             run_id = hashlib.sha1(run_name.encode()).hexdigest()[:16]
             project = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args))
             self.wandb.init(**project, name=run_name, id=run_id, resume="allow", sync_tensorboard=True, save_code=True)
-        # Resumed, the run hides what was logged after its checkpoint; started over (--no-resume), all it logged.
-        purge_step = None
-        if os.path.isdir(self.path):
-            purge_step = start_update * cfg.batch_size + 1 if start_update else 0
-        self.writer = SummaryWriter(self.path, purge_step=purge_step)
+        # Resumed, the run hides what was logged after its checkpoint; started (over, with --no-resume), all before.
+        self.writer = SummaryWriter(self.path, purge_step=start_update * cfg.batch_size + 1 if start_update else 0)
         table = "".join(f"|{k}|{v}|\n" for k, v in vars(args).items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
         # config.json: the arguments, the script, the layout in the a/l/d notation (actor, learner devices; processes)
@@ -1218,6 +1215,7 @@ class RunDir:
         self.last_checkpoint_time = time.time()
         if not self.active:
             return
+        self.writer.flush()  # the points logged up to the checkpoint outlive a kill: a resume does not log them again
         config = json.dumps(algorithm_config(self.args, self.cfg), sort_keys=True)
         checkpoint = dict(state=flax.serialization.to_state_dict(to_host(state)), update=update, config=config)
         contents = flax.serialization.msgpack_serialize(checkpoint)

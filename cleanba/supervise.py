@@ -11,7 +11,9 @@ CLEANBA_VERBOSE=1 prints JAX's own messages before it. Everything else the comma
 and its exit status is this one's. SIGTERM and SIGINT are passed on to it (SLURM's preemption, Ctrl-C).
 
 The command tells this process how far it got on stderr, in lines `cleanba-progress <json>` (RunDir.report): its rank,
-every process's host and the run's directory once, then after each update the update and the last checkpoint's.
+every process's host and the run's directory once, then after each update the update and the last checkpoint's. The
+line names the last checkpoint this process knows to be written: on a process other than 0, a checkpoint of the update
+at which process 0 was lost may be newer (the resume takes the newest that is whole).
 """
 
 import json
@@ -34,7 +36,7 @@ def lost_process_line(run: dict, error: str) -> str:
     others = [rank for rank in range(len(run["hosts"])) if rank != run["rank"]]
     lost = [int(named.group(1))] if named else [0] if "leader task" in error and run["rank"] else others
     who = " or ".join(f"{rank} (host {run['hosts'][rank]})" for rank in lost)
-    checkpoint = f"the last checkpoint ({run['path']}/checkpoint.msgpack) is after update {run['checkpoint']}"
+    checkpoint = f"the last checkpoint ({run['path']}/checkpoint.msgpack) is after update {run['written']}"
     resume = "run the same command, or requeue the SLURM job, to resume from it (CLEANBA_VERBOSE=1: JAX's error)"
     return f"error: lost process {who} after update {run['update']}; {checkpoint}: {resume}"
 
@@ -46,7 +48,12 @@ def supervise(command: list[str]) -> int:
     run, held = {}, []  # what the command reported; its stderr from the first line of a failure on
     for line in child.stderr:
         if line.startswith("cleanba-progress "):
-            run.update(json.loads(line.split(" ", 1)[1]))
+            progress = json.loads(line.split(" ", 1)[1])
+            run.update(progress)
+            # Process 0 writes the checkpoints. Another process knows one written once an update after it is done (the
+            # processes take part in each update together), or when it resumed from it.
+            if run["rank"] == 0 or progress["checkpoint"] < progress["update"] or "hosts" in progress:
+                run["written"] = progress["checkpoint"]
         elif held or line.startswith("error in thread") or re.match(r"[EFW]\d{4} ", line):  # C++ logs: F1123 ...
             held.append(line)
         else:

@@ -5,7 +5,8 @@
     actor@K       the first actor thread raises in its rollout for update K
     learner@K     the learner raises at update K
     nan@K         update K's batch has NaN rewards (the loss becomes non-finite)
-    sigterm@K     the process sends itself SIGTERM during update K (a preemption at a known update)
+    sigterm@K     the process sends itself SIGTERM once update K is logged (a preemption at a known update; the
+                  run stops after it, even when it is the first update of a resumed run)
     checkpoint@K  the process dies between writing update K's checkpoint and renaming it into place
 
 The script is loaded as a module and some of its functions are wrapped here, so the scripts carry no test hook.
@@ -56,11 +57,19 @@ def with_learner_fault(learn):
                 raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
             if fault == "nan":
                 batch["rewards"][:] = np.nan
-            if fault == "sigterm":
-                os.kill(os.getpid(), signal.SIGTERM)
         return learn(update_fn, state, batch, update, last_checkpoint)
 
     return faulty_learn
+
+
+def with_stop_signal(log):
+    def log_then_signal(run_dir, update, *args):
+        log(run_dir, update, *args)
+        if update == due:
+            announce()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return log_then_signal
 
 
 def with_checkpoint_fault(checkpoint):
@@ -79,8 +88,10 @@ def with_checkpoint_fault(checkpoint):
 
 if fault == "actor":
     script.make_rollout = with_actor_fault(script.make_rollout)
-elif fault in ("learner", "nan", "sigterm"):
+elif fault in ("learner", "nan"):
     script.learn = with_learner_fault(script.learn)
+elif fault == "sigterm":
+    script.RunDir.log = with_stop_signal(script.RunDir.log)
 elif fault == "checkpoint":
     script.RunDir.checkpoint = with_checkpoint_fault(script.RunDir.checkpoint)
 else:

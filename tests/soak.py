@@ -1,0 +1,469 @@
+"""A chaos soak: a 2-process --distributed run is hit again and again by faults from a seeded random schedule and run
+again after each (as a SLURM requeue would, or a user), until it finishes; then what it wrote is checked.
+
+    .venv/bin/python tests/soak.py --algo ppo --faults 40 --seed 1 --dir /tmp/soak --out docs/results/soak
+
+The faults (each at a random moment: after 1 to 2 checkpoint intervals of new updates, or at a checkpoint):
+    preempt             SIGTERM to every process of the job (SLURM's preemption)
+    interrupt           SIGINT to every process (Ctrl-C)
+    lose-process        SIGKILL to one process and its supervisor (a lost node)
+    kill-in-checkpoint  process 0 dies while it writes a checkpoint (tests/with_fault.py's checkpoint@K, between the
+                        write and the rename), then SIGKILL to every other process
+    failed-write        process 0 runs under a file-size limit smaller than a checkpoint: its next checkpoint fails
+    corrupt-cut         between two attempts, the newest checkpoint is cut short (when an intact one is behind it)
+    corrupt-flip        between two attempts, one bit of the newest checkpoint is flipped (likewise)
+
+The checks, after the run has finished:
+    - each attempt's processes ended with the documented exit status and, on stderr, at most the documented line;
+      no process of an attempt is left; nothing is written outside the run directory;
+    - each attempt resumed from the newest intact checkpoint (a corrupt one named in one line);
+    - updates.jsonl holds every update from 1 to the last once, in order; TensorBoard each logged step once;
+    - the updates lost to each fault are at most what the checkpoint policy allows: none to a stop signal, one
+      --checkpoint-interval to a lost process or a failed write, two to a corrupt checkpoint;
+    - updates.jsonl equals, bit for bit, that of a replay: the same command stopped cleanly (SIGTERM once the update is
+      logged) after each update the chaotic run resumed from, and run again (EnvPool cannot save its environments, so a
+      run that was never interrupted would differ).
+
+A tool of the tests (tests/test_failures.py runs a short soak) and of benchmark.sh's soak grid.
+"""
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import NamedTuple
+
+import flax.serialization
+import numpy as np
+from helpers import REPO, SCRIPTS, free_port, read_scalars, session_processes
+
+# TensorBoard's reader warns of each purge a resume made: expected here, where every attempt's resume purges.
+logging.getLogger("tensorboard").setLevel(logging.ERROR)
+PROCESS_FAULTS = ["preempt", "interrupt", "lose-process", "kill-in-checkpoint", "failed-write"]
+CHECKPOINT_FAULTS = ["corrupt-cut", "corrupt-flip"]
+FAULTS = PROCESS_FAULTS + CHECKPOINT_FAULTS
+# Exit statuses (the Failures guide and its exit statuses table).
+STOPPED = {"preempt": 128 + signal.SIGTERM, "interrupt": 128 + signal.SIGINT}
+LOST_PROCESS = 75  # cleanba/supervise.py: another process of the run was lost
+CHECKPOINT_NOT_WRITTEN = 74  # a checkpoint could not be written
+KILLED_IN_CHECKPOINT = 137  # tests/with_fault.py's checkpoint@K: the process exits as SIGKILL would leave it
+PROCESSES = 2
+ENVS = 4  # per process
+STEPS = 32
+BATCH = PROCESSES * ENVS * STEPS  # environment steps per update
+LOG_FREQUENCY = 5
+ATTEMPT_TIMEOUT = 240  # seconds: an attempt that takes longer hangs (it fails the soak)
+
+
+class Attempt(NamedTuple):
+    """One start of the run's processes and how it ended."""
+
+    fault: str | None  # the process fault of this attempt (None: it runs to the end)
+    corrupted: str | None  # a checkpoint fault applied before it
+    resumed_from: int  # the update its checkpoint follows (0: a fresh start)
+    reached: int  # the last update in updates.jsonl when it ended
+    seconds: float
+
+
+def checkpoint_paths(run_dir: str) -> list[str]:  # the newest first (--keep-checkpoints 2, the default)
+    return [os.path.join(run_dir, "checkpoint.msgpack"), os.path.join(run_dir, "checkpoint.1.msgpack")]
+
+
+def intact_update(path: str) -> int | None:
+    """The update of the checkpoint at `path` if it exists and its checksum holds."""
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        digest, _, contents = f.read().partition(b"\n")
+    if hashlib.sha256(contents).hexdigest().encode() != digest:
+        return None
+    return int(flax.serialization.msgpack_restore(contents)["update"])
+
+
+def newest_intact(run_dir: str) -> int:
+    """The update the next attempt must resume from: that of the newest intact checkpoint (0: none)."""
+    for path in checkpoint_paths(run_dir):
+        if (update := intact_update(path)) is not None:
+            return update
+    return 0
+
+
+def updates_logged(run_dir: str) -> list[int]:
+    path = os.path.join(run_dir, "updates.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["update"] for line in f if line.endswith("\n")]
+
+
+def limiting_file_size(limit: int):
+    """What a child runs before the script: no file it writes may grow beyond `limit` bytes (EFBIG, errno 27)."""
+
+    def set_limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return set_limit
+
+
+class Processes:
+    """The run's processes of one attempt, each in a session of its own, their output kept line by line."""
+
+    def __init__(self, cwd: str, algo: str, flags: list[str], log_prefix: str, rank_0_fault=None, file_limit=None):
+        port = free_port()
+        self.procs = []
+        self.stdout = [[] for _ in range(PROCESSES)]
+        self.stderr = [[] for _ in range(PROCESSES)]
+        self.readers = []
+        self.log_prefix = log_prefix
+        for rank in range(PROCESSES):
+            distributed = ["--distributed", "--coordinator-address", f"127.0.0.1:{port}"]
+            distributed += ["--num-processes", str(PROCESSES), "--process-id", str(rank)]
+            command = [sys.executable, SCRIPTS[algo], *flags, *distributed]
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env.pop("CLEANBA_FAULT", None)
+            if rank == 0 and rank_0_fault:  # with_fault.py runs the script's main() itself (no supervisor)
+                command.insert(1, os.path.join(REPO, "tests", "with_fault.py"))
+                env["CLEANBA_FAULT"] = rank_0_fault
+            proc = subprocess.Popen(
+                command,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                preexec_fn=limiting_file_size(file_limit) if rank == 0 and file_limit else None,
+            )
+            self.procs.append(proc)
+            for stream, lines in ((proc.stdout, self.stdout[rank]), (proc.stderr, self.stderr[rank])):
+                reader = threading.Thread(target=lambda stream=stream, lines=lines: lines.extend(stream), daemon=True)
+                reader.start()
+                self.readers.append(reader)
+
+    def started(self) -> bool:  # process 0 printed its run line: updates.jsonl is this attempt's
+        return any(line.startswith("run ") for line in self.stdout[0])
+
+    def signal_all(self, signum):
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signum)
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.time() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self.signal_all(signal.SIGKILL)
+                raise AssertionError(f"{self.log_prefix}: a process still runs after {timeout} s") from None
+        for reader in self.readers:
+            reader.join(timeout=10)
+        left = [pid for proc in self.procs for pid in session_processes(proc.pid)]
+        assert not left, f"{self.log_prefix}: processes left running: {left}"
+        with open(f"{self.log_prefix}.log", "w") as f:
+            for rank in range(PROCESSES):
+                f.write(f"== process {rank}: exit {self.procs[rank].returncode}\n-- stdout\n")
+                f.writelines(self.stdout[rank])
+                f.write("-- stderr\n")
+                f.writelines(self.stderr[rank])
+        return [proc.returncode for proc in self.procs]
+
+
+def wait_for_update(processes: Processes, run_dir: str, update: int, timeout: float = ATTEMPT_TIMEOUT):
+    """Blocks until this attempt has logged `update` (or a process has exited, which fails the soak)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(proc.poll() is not None for proc in processes.procs):
+            raise AssertionError(f"{processes.log_prefix}: a process exited before update {update}")
+        if processes.started() and (logged := updates_logged(run_dir)) and logged[-1] >= update:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{processes.log_prefix}: update {update} not reached in {timeout} s")
+
+
+def corrupt(path: str, how: str, rng: np.random.Generator):
+    size = os.path.getsize(path)
+    if how == "corrupt-cut":
+        os.truncate(path, int(rng.integers(0, size)))
+        return
+    position = int(rng.integers(0, size))
+    with open(path, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)[0]
+        f.seek(position)
+        f.write(bytes([byte ^ (1 << int(rng.integers(0, 8)))]))
+
+
+def one_line(lines: list[str], pattern: str, where: str) -> re.Match:
+    """The one line a process printed on stderr, which must match `pattern`."""
+    assert len(lines) == 1, f"{where}: stderr is not one line:\n{''.join(lines)[-3000:]}"
+    match = re.fullmatch(pattern, lines[0].rstrip("\n"))
+    assert match, f"{where}: unexpected line {lines[0]!r}"
+    return match
+
+
+def check_lost_line(processes: Processes, survivor: int, lost: int, run_dir: str, name: str):
+    """The survivor's one line names the lost process and the last checkpoint it knows to be written: process 0 the
+    newest; another process may not know of one process 0 wrote at the update it was lost (the line's update)."""
+    pattern = rf"error: lost process {lost} \(host \S+\) after update (\d+); the last checkpoint \(runs/{name}/"
+    pattern += r"checkpoint\.msgpack\) is after update (\d+): run the same command, or requeue the SLURM job, to "
+    pattern += r"resume from it \(CLEANBA_VERBOSE=1: JAX's error\)"
+    where = f"{processes.log_prefix}, process {survivor}"
+    reached, named = map(int, one_line(processes.stderr[survivor], pattern, where).groups())
+    newest = newest_intact(run_dir)
+    assert named == newest or (survivor and named < newest == reached), f"{where}: names checkpoint {named}"
+
+
+def check_ending(fault, codes, processes: Processes, run_dir: str, name: str, at: int):
+    """The exit statuses and lines the Failures guide documents for `fault`."""
+    where = processes.log_prefix
+    stdout = "".join(processes.stdout[0])
+    if fault in STOPPED:
+        assert codes == [STOPPED[fault]] * PROCESSES, f"{where}: exit statuses {codes}"
+        signame = "SIGTERM" if fault == "preempt" else "SIGINT"
+        stopped = re.findall(rf"^stopped by {signame} after update (\d+) ", stdout, re.M)
+        assert len(stopped) == 1 and intact_update(checkpoint_paths(run_dir)[0]) == int(stopped[0]), where
+        for rank in range(PROCESSES):
+            assert not processes.stderr[rank], f"{where}: process {rank}'s stderr: {processes.stderr[rank][-5:]}"
+    elif fault == "lose-process":
+        survivor = 1 - at
+        assert codes[at] == -signal.SIGKILL and codes[survivor] == LOST_PROCESS, f"{where}: exit statuses {codes}"
+        check_lost_line(processes, survivor, at, run_dir, name)
+    elif fault == "kill-in-checkpoint":
+        # Process 0 died before the rename; the others were killed by the soak (or found process 0 lost first).
+        assert codes[0] == KILLED_IN_CHECKPOINT and all(c in (-signal.SIGKILL, LOST_PROCESS) for c in codes[1:]), codes
+        assert os.path.exists(checkpoint_paths(run_dir)[0] + ".tmp"), f"{where}: no interrupted write"
+        assert newest_intact(run_dir) < at, f"{where}: the checkpoint of update {at} was renamed into place"
+    elif fault == "failed-write":
+        assert codes == [CHECKPOINT_NOT_WRITTEN, LOST_PROCESS], f"{where}: exit statuses {codes}"
+        pattern = rf"error: writing runs/{name}/checkpoint\.msgpack\.tmp after update {at} failed \(\[Errno 27\] File "
+        pattern += r"too large\); the checkpoints written before are intact: run the same command to resume"
+        one_line(processes.stderr[0], pattern, f"{where}, process 0")
+        check_lost_line(processes, 1, 0, run_dir, name)
+    else:
+        assert codes == [0] * PROCESSES, f"{where}: exit statuses {codes}"
+        for rank in range(PROCESSES):
+            assert not processes.stderr[rank], f"{where}: process {rank}'s stderr: {processes.stderr[rank][-5:]}"
+
+
+def run_name(algo: str, seed: int) -> str:
+    return f"soak-{algo}-{seed}"
+
+
+def flags_of(algo: str, seed: int, updates: int, interval: int, cache: str) -> list[str]:
+    """A small CartPole run: 2 processes x 1 actor thread x 4 envs x 32 steps, a checkpoint every `interval` updates."""
+    flags = f"--env-id CartPole-v1 --local-num-envs {ENVS} --num-actor-threads 1 --num-steps {STEPS}"
+    flags += f" --log-frequency {LOG_FREQUENCY} --seed {seed} --total-timesteps {updates * BATCH}"
+    flags += f" --checkpoint-interval {interval}"
+    flags += f" --checkpoint-minutes 1000 --heartbeat-timeout 10 --run-name {run_name(algo, seed)}"
+    return [*flags.split(), "--compilation-cache-dir", cache]
+
+
+def attempt_fault(kind: str, start: int, interval: int, run_dir: str, updates: int, rng) -> tuple[int, dict]:
+    """When the fault lands (the update) and how the attempt's processes start for it."""
+    due = (start // interval + 1) * interval  # the attempt's first periodic checkpoint
+    if kind == "kill-in-checkpoint":
+        at = due + interval * int(rng.integers(0, 2))
+        return at, dict(rank_0_fault=f"checkpoint@{at}")
+    if kind == "failed-write":  # a limit just below a checkpoint's size, far above what the logs reach
+        limit = checkpoint_size(run_dir) - 1
+        logged = os.path.getsize(os.path.join(run_dir, "updates.jsonl"))
+        assert logged / start * updates < limit / 2, "updates.jsonl would reach the file-size limit: fewer updates"
+        return due, dict(file_limit=limit)
+    return start + int(rng.integers(1, 2 * interval + 1)), {}
+
+
+def checkpoint_size(run_dir: str) -> int | None:  # that of an intact checkpoint (they all have the same size)
+    for path in checkpoint_paths(run_dir):
+        if intact_update(path) is not None:
+            return os.path.getsize(path)
+    return None
+
+
+def can_corrupt(run_dir: str) -> bool:  # the newest and the one behind it intact: the resume has one to fall back to
+    return all(intact_update(path) is not None for path in checkpoint_paths(run_dir))
+
+
+def next_faults(rng, run_dir: str, remaining: int, schedule: list[str] | None) -> tuple[str | None, str | None]:
+    """(A checkpoint fault to apply before the next attempt, or None; the attempt's process fault, or None: it runs
+    to the end), from the schedule in order, else drawn among those that can happen now."""
+    if schedule is not None:
+        corruption = schedule.pop(0) if schedule and schedule[0] in CHECKPOINT_FAULTS else None
+        assert corruption is None or can_corrupt(run_dir), f"{corruption} without two intact checkpoints"
+        return corruption, schedule.pop(0) if schedule else None
+    corruption = None
+    if remaining and can_corrupt(run_dir) and rng.random() < len(CHECKPOINT_FAULTS) / len(FAULTS):
+        corruption = str(rng.choice(CHECKPOINT_FAULTS))
+        remaining -= 1
+    possible = [kind for kind in PROCESS_FAULTS if kind != "failed-write" or checkpoint_size(run_dir)]
+    return corruption, str(rng.choice(possible)) if remaining else None
+
+
+def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] | None = None) -> dict:
+    """Runs the soak in `directory` (work/: the run's working directory; logs/: each attempt's output) and checks it;
+    returns its figures. `schedule`: the faults in order (else `faults` of them drawn at random)."""
+    rng = np.random.default_rng(seed)
+    interval = 2
+    updates = (faults + 3) * 2 * interval  # enough for every fault to land before the end
+    work = os.path.join(directory, "work")
+    logs = os.path.join(directory, "logs")
+    os.makedirs(work, exist_ok=True)
+    os.makedirs(logs, exist_ok=True)
+    cache = os.environ.get("CLEANBA_TEST_COMPILATION_CACHE", os.path.join(directory, "compilation-cache"))
+    flags = flags_of(algo, seed, updates, interval, cache)
+    name = run_name(algo, seed)
+    run_dir = os.path.join(work, "runs", name)
+    attempts = []
+    lost = []  # (fault, updates lost, the policy's bound)
+    started = time.time()
+    schedule = list(schedule) if schedule else None
+    while True:
+        done = sum(bool(a.fault) + bool(a.corrupted) for a in attempts)
+        corrupted, kind = next_faults(rng, run_dir, faults - done, schedule)
+        if corrupted:
+            corrupt(checkpoint_paths(run_dir)[0], corrupted, rng)
+        start = newest_intact(run_dir)
+        at, options = attempt_fault(kind, start, interval, run_dir, updates, rng) if kind else (None, {})
+        if kind and at >= updates:
+            raise AssertionError(f"the run ends before its {len(attempts) + 1}th fault ({kind})")
+        prefix = os.path.join(logs, f"attempt-{len(attempts) + 1:03d}-{kind or 'end'}")
+        begun = time.time()
+        processes = Processes(work, algo, flags, prefix, **options)
+        victim = None
+        if kind in ("preempt", "interrupt", "lose-process"):
+            wait_for_update(processes, run_dir, at)
+            time.sleep(float(rng.uniform(0, 0.2)))  # somewhere inside the next update
+            if kind == "lose-process":
+                victim = int(rng.integers(0, PROCESSES))
+                os.killpg(processes.procs[victim].pid, signal.SIGKILL)
+            else:
+                processes.signal_all(signal.SIGTERM if kind == "preempt" else signal.SIGINT)
+        elif kind == "kill-in-checkpoint":
+            processes.procs[0].wait(timeout=ATTEMPT_TIMEOUT)
+            processes.signal_all(signal.SIGKILL)  # everything else of the job goes with it
+        codes = processes.wait(ATTEMPT_TIMEOUT)
+        resumed = re.findall(r"^resuming from \S+ after update (\d+) ", "".join(processes.stdout[0]), re.M)
+        resumed_from = int(resumed[0]) if resumed else 0
+        assert resumed_from == start, f"{prefix}: resumed from update {resumed_from}, not {start}, the newest intact"
+        if corrupted:
+            passed_over = f"runs/{name}/checkpoint.msgpack is cut short or changed"
+            assert "".join(processes.stdout[0]).count(passed_over) == 1, f"{prefix}: the passed-over line is missing"
+        if attempts:
+            previous = attempts[-1]
+            bound = {"preempt": 0, "interrupt": 0}.get(previous.fault, interval) + (interval if corrupted else 0)
+            lost.append((previous.fault, corrupted, previous.reached - resumed_from, bound))
+            assert previous.reached - resumed_from <= bound, f"{prefix}: {lost[-1]}"
+        check_ending(kind, codes, processes, run_dir, name, victim if kind == "lose-process" else at)
+        logged = updates_logged(run_dir)
+        attempts.append(Attempt(kind, corrupted, resumed_from, logged[-1] if logged else 0, time.time() - begun))
+        if kind is None:
+            break
+    chaotic_seconds = time.time() - started
+    check_records(run_dir, updates)
+    assert sorted(os.listdir(work)) == ["runs"] and os.listdir(os.path.join(work, "runs")) == [name], os.listdir(work)
+    replay_seconds = replay(algo, directory, flags, name, [a.resumed_from for a in attempts], updates, run_dir)
+    kinds = [a.fault for a in attempts if a.fault] + [a.corrupted for a in attempts if a.corrupted]
+    return dict(
+        algo=algo,
+        seed=seed,
+        updates=updates,
+        checkpoint_interval=interval,
+        attempts=len(attempts),
+        faults=len(kinds),
+        faults_by_kind={kind: kinds.count(kind) for kind in FAULTS if kind in kinds},
+        lost_updates=[dict(fault=f, corrupted=c, lost=n, bound=b) for f, c, n, b in lost],
+        resumed_from=[a.resumed_from for a in attempts],
+        chaotic_seconds=round(chaotic_seconds, 1),
+        replay_seconds=round(replay_seconds, 1),
+    )
+
+
+def check_records(run_dir: str, updates: int):
+    """Every update once in updates.jsonl, in order; every logged step once in TensorBoard (as it shows them)."""
+    logged = updates_logged(run_dir)
+    assert logged == list(range(1, updates + 1)), f"updates.jsonl: {logged}"
+    for tag, points in read_scalars(run_dir).items():
+        steps = [step for step, _ in points]
+        assert steps == sorted(set(steps)), f"TensorBoard's {tag}: steps {steps}"
+    steps = [step for step, _ in read_scalars(run_dir)["stats/update"]]
+    every = sorted({*range(LOG_FREQUENCY, updates + 1, LOG_FREQUENCY), updates})  # and at the end
+    assert steps == [update * BATCH for update in every], f"TensorBoard's updates logged at steps {steps}"
+
+
+def lineage(resume_points: list[int]) -> list[int]:
+    """The resume points the finished run descends from: a resume from an older checkpoint than the previous one's
+    (after a corrupt checkpoint) drops the attempts that started after it."""
+    chain = []
+    for point in resume_points:
+        while chain and chain[-1] > point:
+            chain.pop()
+        if not chain or chain[-1] != point:
+            chain.append(point)
+    return chain
+
+
+def replay(algo, directory, flags, name, resume_points, updates, run_dir) -> float:
+    """The same command stopped cleanly at the chaotic run's resume points (in its lineage) and run again: its
+    updates.jsonl must equal the chaotic run's, bit for bit."""
+    started = time.time()
+    work = os.path.join(directory, "replay")
+    os.makedirs(work, exist_ok=True)
+    points = lineage(resume_points)
+    for stop in [*points[1:], None]:
+        prefix = os.path.join(directory, "logs", f"replay-{stop or 'end'}")
+        processes = Processes(work, algo, flags, prefix, rank_0_fault=f"sigterm@{stop}" if stop else None)
+        codes = processes.wait(ATTEMPT_TIMEOUT)
+        assert codes == ([STOPPED["preempt"]] * PROCESSES if stop else [0] * PROCESSES), f"{prefix}: {codes}"
+    with open(os.path.join(run_dir, "updates.jsonl")) as f:
+        chaotic = f.read()
+    with open(os.path.join(work, "runs", name, "updates.jsonl")) as f:
+        replayed = f.read()
+    assert chaotic == replayed, "the chaotic run's updates.jsonl differs from its replay's"
+    return time.time() - started
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| script | faults | by kind | attempts | updates | updates lost per fault (max, mean) | wall time |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in results:
+        by_kind = ", ".join(f"{kind} {count}" for kind, count in r["faults_by_kind"].items())
+        lost = [entry["lost"] for entry in r["lost_updates"]]
+        wall = f"{r['chaotic_seconds'] / 60:.1f} min (replay {r['replay_seconds'] / 60:.1f} min)"
+        row = [r["algo"], r["faults"], by_kind, r["attempts"], r["updates"], f"{max(lost)}, {np.mean(lost):.1f}", wall]
+        lines.append("| " + " | ".join(map(str, row)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algo", nargs="+", default=["impala", "ppo"], choices=["ppo", "impala", "pqn"])
+    parser.add_argument("--faults", type=int, default=40, help="faults per script, drawn from the kinds above")
+    parser.add_argument("--seed", type=int, default=1, help="the schedule's seed and the run's")
+    parser.add_argument("--dir", required=True, help="where the runs and each attempt's output go")
+    parser.add_argument("--out", default=None, help="write soak.json and soak.md here")
+    args = parser.parse_args()
+    results = []
+    for algo in args.algo:
+        result = soak(algo, os.path.join(args.dir, algo), args.faults, args.seed)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    print(markdown(results))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "soak.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        with open(os.path.join(args.out, "soak.md"), "w") as f:
+            f.write(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
