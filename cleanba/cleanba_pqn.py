@@ -69,6 +69,8 @@ class Args:
     num_steps: Algorithm[int] = 32  # steps per environment in each rollout
     gamma: Algorithm[float] = 0.99  # discount factor
     frame_stack: Algorithm[int] = 4  # Atari: frames per observation (EnvPool's stack_num); 1 hides motion (--lstm-size)
+    num_levels: Algorithm[int] = 0  # Procgen: the levels trained on (200: the generalisation protocol's); 0: all
+    start_level: Algorithm[int] = 0  # Procgen: the first of them (cleanba/evaluate.py --levels unseen plays others)
     lstm_size: Algorithm[int] = 0  # units of an LSTM core after the torso: a memory for partial observability; 0: none
     mask_obs: Algorithm[list[int]] = dataclasses.field(default_factory=list)  # vector components hidden (zeroed)
     view_size: Algorithm[int] = 0  # MiniGrid: the agent sees the NxN cells ahead (3: the references' view); 0: all 7x7
@@ -134,10 +136,11 @@ INITIALISATION = 3
 
 def env_options(args: Args) -> dict:
     """EnvPool's options for --env-id, its spec's and its pools'; Atari: Machado et al.'s (2018) evaluation protocol."""
+    if args.num_levels or args.start_level:  # Procgen's levels (other ids have none: check_args)
+        return dict(num_levels=args.num_levels, start_level=args.start_level)
     if not args.env_id.endswith("-v5"):
         return {}
-    # No life-loss signal; sticky actions, the only source of stochasticity (no no-op starts); the full action set;
-    # episodes of at most 108,000 frames (at frame skip 4); rewards clipped (the unclipped one: info["reward"], logged).
+    # No life-loss signal; sticky actions (the only randomness: no no-op starts); 18 actions; 108,000-frame episodes.
     protocol = dict(episodic_life=False, repeat_action_probability=0.25, noop_max=1, full_action_space=True)
     return dict(protocol, max_episode_steps=108_000 // 4, reward_clip=True, stack_num=args.frame_stack)
 
@@ -641,7 +644,7 @@ def main(args: Args):
 
     update = start_update
     with actors.stopping_all_on_failure():
-        actors.publish(replica(state.params), start_update + 1)
+        actors.publish(state.params, start_update + 1)
         for update in range(start_update + 1, cfg.num_updates + 1):
             timings = {}
             with timer(timings, "rollout_queue_get_time"):
@@ -654,7 +657,7 @@ def main(args: Args):
             with timer(timings, "update_time"):
                 state, record = learn(update_fn, state, batch, update, run_dir.last_checkpoint)
             if update < cfg.num_updates:
-                actors.publish(replica(state.params), update + 1)
+                actors.publish(state.params, update + 1)
             run_dir.log(update, data_version, record, timings, rollouts, state)
             if signals.after_update():
                 break
@@ -685,7 +688,7 @@ def check_args(args: Args):
     for name in positive.split():
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["checkpoint_interval", "env_threads", "lstm_size", "layout_free_group_size"]:  # 0: auto
+    for name in "checkpoint_interval env_threads lstm_size layout_free_group_size num_levels start_level".split():
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ["actor_device_ids", "learner_device_ids"]:
@@ -702,6 +705,8 @@ def check_args(args: Args):
         raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}")
     if args.env_id not in envpool.list_all_envs():
         raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
+    if (args.num_levels or args.start_level) and not args.env_id.endswith(("Easy-v0", "Hard-v0")):  # Procgen's ids
+        raise ConfigError(f"--num-levels and --start-level choose Procgen's levels; --env-id {args.env_id} has none")
     if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
         raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
     try:  # EnvPool imports a family's module when it makes its first spec (Procgen needs the Qt 5 runtime)
@@ -935,7 +940,8 @@ class Actors:
                 with timer(timings, "rollout_queue_put_time"):
                     self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
 
-    def publish(self, replica_params, version: int):  # once per actor device (the learner's: nothing to copy)
+    def publish(self, params, version: int):  # the first learner device's replica, once per actor device
+        replica_params = jax.tree.map(lambda x: x.addressable_data(0), params)  # (on the learner's: nothing to copy)
         on_device = {device: jax.device_put(replica_params, device) for device in self.cfg.actor_devices}
         for _, device, params_queue, _ in self.threads:
             self.blocking(params_queue.put, (on_device[device], version))
@@ -979,12 +985,8 @@ def replicate(tree, cfg: Config):
     return jax.make_array_from_process_local_data(sharding, local)
 
 
-def replica(tree):  # the copy on this process's first learner device of a tree pmap keeps on each (no computation)
-    return jax.tree.map(lambda x: x.addressable_data(0), tree)
-
-
 def to_host(tree):  # one replica of a tree that pmap keeps on every learner device, copied to the host in one transfer
-    return jax.tree.map(lambda x: x[0], jax.device_get(replica(tree)))
+    return jax.tree.map(lambda x: x[0], jax.device_get(jax.tree.map(lambda x: x.addressable_data(0), tree)))
 
 
 class StopSignals:

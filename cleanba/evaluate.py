@@ -1,7 +1,7 @@
 """Plays episodes with the model a run saved (--save-model): the policy's actions sampled as the actors sample them
 (PQN's: epsilon-greedy at the run's final --end-e); with --video, records them.
 
-    python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1] [--video] [--gif]
+    python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1] [--levels unseen] [--video] [--gif]
 
 The run's config.json names its script and arguments: this tool loads the script as a module, rebuilds its
 networks, reads the model (the normalisation statistics included) and plays on an environment whose global index
@@ -10,7 +10,9 @@ bounds on its way to the environment; a recurrent policy's state carried through
 episode's return (unclipped, for Atari) and their mean, and logs them to the run's TensorBoard events as
 eval/episodic_return. With --video, each episode is also written to runs/<run_name>/videos/ as an MP4 (--gif: a GIF),
 its return in the file name: the frames EnvPool renders, at the environment's own size, from the reset to the
-episode's last step (length + 1 frames). A tool: the training scripts never import it.
+episode's last step (length + 1 frames). Procgen: --levels unseen plays levels the run never trained on (those after
+its --start-level + --num-levels), logged as eval/unseen_levels_episodic_return. A tool: the training scripts never
+import it.
 """
 
 import argparse
@@ -43,6 +45,7 @@ EVAL_ENV_INDEX = 2**20 - 1  # a global env index of the run's seed block that no
 # EnvPool's families that render without a display (tried: CartPole, Breakout, MiniGrid, HalfCheetah).
 RENDERING_FAMILIES = ("envpool.classic_control", "envpool.atari", "envpool.minigrid", "envpool.mujoco.gym")
 FRAMES_PER_SECOND = 30
+UNSEEN_LEVELS = 1_000_000  # --levels unseen: this many levels after the training levels (Procgen's seeds have 31 bits)
 
 
 def render_refusal(env_id: str) -> str | None:
@@ -63,8 +66,9 @@ def load_script(name: str):
     return module
 
 
-def load_run(run_dir: str, seed: int | None = None):
-    """(The run's script as a module, its arguments, its networks) from its config.json."""
+def load_run(run_dir: str, seed: int | None = None, levels: str = "train"):
+    """(The run's script as a module, its arguments, its networks) from its config.json; `levels` unseen: Procgen's
+    levels after those the run trained on."""
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
     script = load_script(
@@ -77,6 +81,9 @@ def load_run(run_dir: str, seed: int | None = None):
     if hasattr(args, "end_e"):  # Q-learning (PQN) plays epsilon-greedily at its final exploration rate, not its first
         args.start_e = args.end_e
     args.layout_free_group_size = 0  # one environment: nothing to split into groups
+    if levels == "unseen":
+        args.start_level += args.num_levels
+        args.num_levels = UNSEEN_LEVELS
     networks = script.make_networks(args, envpool.make_spec(args.env_id, **script.env_options(args)))
     return script, args, networks
 
@@ -91,8 +98,8 @@ def on_actor_axis(params):  # the device axis the actors' rollout takes
     return jax.tree.map(lambda x: np.asarray(x)[None], params)
 
 
-def evaluate(run_dir: str, episodes: int, seed: int | None = None) -> list[float]:
-    script, args, networks = load_run(run_dir, seed)
+def evaluate(run_dir: str, episodes: int, seed: int | None = None, levels: str = "train") -> list[float]:
+    script, args, networks = load_run(run_dir, seed, levels)
     envs = script.make_env(args, 1, EVAL_ENV_INDEX)
     handle, rollout = script.make_rollout(args, networks, [envs], jax.default_backend())
     params = saved_params(run_dir, args.exp_name)
@@ -163,6 +170,12 @@ def parse_args(argv=None):
     parser.add_argument("run_dir", help="a run directory with config.json and the model saved by --save-model")
     parser.add_argument("--episodes", type=int, default=10, help="episodes to play")
     parser.add_argument("--seed", type=int, default=None, help="another seed than the run's (environments, actions)")
+    parser.add_argument(
+        "--levels",
+        choices=["train", "unseen"],
+        default="train",
+        help="Procgen: the run's training levels, or levels it never saw (after --start-level + --num-levels)",
+    )
     parser.add_argument("--video", action="store_true", help="record each episode to <run_dir>/videos/ as an MP4")
     parser.add_argument("--gif", action="store_true", help="with --video: small GIFs instead of MP4s (for docs)")
     parser.add_argument(
@@ -175,6 +188,8 @@ def parse_args(argv=None):
         parser.error("--gif and --max-steps shape videos: add --video")
     if args.max_steps is not None and args.max_steps <= 0:
         parser.error("--max-steps must be positive")
+    if args.levels == "unseen" and args.video:
+        parser.error("--levels unseen plays Procgen, which EnvPool does not render: no --video")
     return args
 
 
@@ -183,23 +198,30 @@ def main():
     if not glob.glob(os.path.join(args.run_dir, "*.cleanba_model")):
         print(f"error: {args.run_dir} holds no model (train with --save-model)", file=sys.stderr)
         sys.exit(2)
+    with open(os.path.join(args.run_dir, "config.json")) as f:
+        run_args = json.load(f)["args"]
+    if args.levels == "unseen" and not run_args.get("num_levels"):
+        trained_on = f"{run_args['env_id']} with --num-levels {run_args.get('num_levels', 0)}, every level"
+        print(f"error: --levels unseen: the run trained on {trained_on}: none is unseen", file=sys.stderr)
+        sys.exit(2)
     if args.video:
-        with open(os.path.join(args.run_dir, "config.json")) as f:
-            refusal = render_refusal(json.load(f)["args"]["env_id"])
-        if refusal:
+        if refusal := render_refusal(run_args["env_id"]):
             print(f"error: --video: {refusal}", file=sys.stderr)
             sys.exit(2)
         returns = record(args.run_dir, args.episodes, args.seed, "gif" if args.gif else "mp4", args.max_steps)
     else:
-        returns = evaluate(args.run_dir, args.episodes, args.seed)
+        returns = evaluate(args.run_dir, args.episodes, args.seed, args.levels)
+    tag = "eval/unseen_levels_episodic_return" if args.levels == "unseen" else "eval/episodic_return"
+    levels = " on unseen levels" if args.levels == "unseen" else ""
     with SummaryWriter(args.run_dir) as writer:
         for episode, episode_return in enumerate(returns):
             if np.isfinite(episode_return):  # an episode cut by --max-steps has no return
-                writer.add_scalar("eval/episodic_return", episode_return, episode)
-            print(f"eval episode {episode}: return {episode_return}")
+                writer.add_scalar(tag, episode_return, episode)
+            print(f"eval episode {episode}{levels}: return {episode_return}")
     finished = [r for r in returns if np.isfinite(r)]
     if finished:
-        print(f"mean return over {len(finished)} episodes: {np.mean(finished):.2f} ± {np.std(finished):.2f}")
+        mean = f"{np.mean(finished):.2f} ± {np.std(finished):.2f}"
+        print(f"mean return over {len(finished)} episodes{levels}: {mean}")
 
 
 def record(run_dir: str, episodes: int, seed: int | None, extension: str, max_steps: int | None) -> list[float]:

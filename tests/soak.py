@@ -274,10 +274,10 @@ def attempt_fault(kind: str, start: int, interval: int, run_dir: str, updates: i
     if kind == "kill-in-checkpoint":
         at = due + interval * int(rng.integers(0, 2))
         return at, dict(rank_0_fault=f"checkpoint@{at}")
-    if kind == "failed-write":  # a limit just below a checkpoint's size, far above what the logs reach
+    if kind == "failed-write":  # a limit just below a checkpoint's size, above what the logs reach
         limit = checkpoint_size(run_dir) - 1
         logged = os.path.getsize(os.path.join(run_dir, "updates.jsonl"))
-        assert logged / start * updates < limit / 2, "updates.jsonl would reach the file-size limit: fewer updates"
+        assert logged / start * updates < 0.9 * limit, "updates.jsonl would reach the file-size limit: fewer updates"
         return due, dict(file_limit=limit)
     return start + int(rng.integers(1, 2 * interval + 1)), {}
 
@@ -313,7 +313,9 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     returns its figures. `schedule`: the faults in order (else `faults` of them drawn at random)."""
     rng = np.random.default_rng(seed)
     interval = 2
-    updates = (faults + 3) * 2 * interval  # enough for every fault to land before the end
+    # Enough for every fault to land before the end: each lands within two intervals of where its attempt starts, and
+    # an attempt moves the start ~2 updates on (a fault that lands later fails the soak, in a line that says so).
+    updates = 3 * (faults + 3)
     work = os.path.join(directory, "work")
     logs = os.path.join(directory, "logs")
     os.makedirs(work, exist_ok=True)

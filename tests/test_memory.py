@@ -49,7 +49,7 @@ def test_the_learner_replays_what_the_actor_computed(algo):
     actors = script.Actors(args, cfg, networks, 0, threading.Event())
     try:
         for version in (1, 2):  # the second rollout starts from the first one's core states, not from zeros
-            actors.publish(script.replica(state.params), version)
+            actors.publish(state.params, version)
             (rollout,) = actors.collect()
     finally:
         stop_actors(actors)

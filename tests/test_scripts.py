@@ -160,7 +160,8 @@ BAD_INPUT = [
     (["--env-id", "Breakout-v5", "--frame-stack", 0], "--frame-stack"),
     (["--env-id", "Taxi-v3"], "--env-id"),  # a discrete observation: nothing to encode it
     (["--env-id", "Highway-v0"], "--env-id"),  # a matrix of vehicles: neither a vector nor an image
-    (["--env-id", "BigfishEasy-v0"], "--env-id"),  # Procgen: EnvPool needs the Qt 5 runtime, not installed here
+    (["--num-levels", 200], "--num-levels"),  # Procgen's option, CartPole's run
+    (["--env-id", "StarpilotEasy-v0", "--start-level", -1], "--start-level"),
     (["--env-id", "Snake-v1"], "--env-id"),  # Jumanji: a grid of floats in a dict, not MiniGrid's cell ids
     (["--env-id", "CarRacing-v3"], "--env-id"),  # frames with their channels last: the ResNet would misread them
     (["--env-id", "Go9x9-v1"], "--env-id"),  # a game of two players
@@ -303,7 +304,7 @@ def test_continuous_actions_are_stored_as_sampled(algo):
     params["obs_stats"] = dict(mean=np.full(17, 0.5, np.float32), var=np.full(17, 4.0, np.float32), count=np.float32(9))
     actors = script.Actors(args, cfg, networks, 0, threading.Event())
     try:
-        actors.publish(jax.tree.map(lambda x: x[None], params), 1)  # a replica: one device's shard
+        actors.publish(script.replicate(params, cfg), 1)
         (rollout,) = actors.collect()
     finally:
         stop_actors(actors)
@@ -345,7 +346,7 @@ def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flag
         ]
         batches[platform, num_pools] = []
         for _ in range(3):
-            states, batch = rollout(script.replica(state.params), states)
+            states, batch = rollout(jax.tree.map(lambda x: x.addressable_data(0), state.params), states)
             batches[platform, num_pools].append(jax.device_get(batch))
     for loop in [("gpu", 1), ("gpu", 2)]:
         for compiled, looped in zip(batches["cpu", 1], batches[loop], strict=True):
