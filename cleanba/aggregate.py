@@ -7,7 +7,8 @@ the final score is the mean `charts/episodic_return` over the last --last-fracti
 Runs are grouped by method (the run's --exp-name) and environment (with --mask-obs, e.g. CartPole-v1-mask1-3: another
 task). Written to --out:
 
-- scores.csv: one row per run: method, script, env id, seed, steps, final score, human-normalised score (HNS)
+- scores.csv: one row per run: method, script, env id, seed, steps, final score, human-normalised score (HNS), and the
+  test score on unseen levels (Procgen, below)
 - games.md / games.csv: per method and environment, the final score's mean +- std over seeds, its steps and
   wall-clock time, and the published reference score of the same algorithm where there is one (PUBLISHED below)
 - aggregates.md / aggregates.csv, aggregates.png: per method, median, mean and IQM of the HNS over its Atari
@@ -17,6 +18,11 @@ task). Written to --out:
 - profiles.png (--no-profiles: none): rliable's performance profiles of the HNS, per method, with 95% intervals.
   rliable needs as many runs of every game: a game with more seeds than a method's fewest is cut to that many.
 - curves_<env>.png: mean +- 95% CI over seeds against environment steps and against wall-clock time
+- procgen.md / procgen.csv and procgen_aggregates.md / .csv (with Procgen runs): per method and game, the train
+  score (the training run's) and the test score (`eval/unseen_levels_episodic_return`, the mean over the episodes
+  cleanba/evaluate.py --levels unseen played), raw and normalised by Procgen's published minimum and maximum returns
+  (PROCGEN_REFERENCE_SCORES); then per method, median, mean and IQM of the normalised train and test scores over its
+  games, with 95% stratified-bootstrap intervals
 
 Partial grids (missing seeds or games, unfinished runs) are reported as they are. A tool: the training
 scripts never import it.
@@ -98,6 +104,29 @@ ATARI_REFERENCE_SCORES = {
     "Zaxxon": (32.5, 9173.3),
 }
 
+# Procgen's normalisation constants, per game: (R_min, R_max) in easy mode, then in hard mode, from Cobbe et al.
+# (2020), "Leveraging Procedural Generation to Benchmark Reinforcement Learning" (arXiv 1912.01588), appendix:
+# normalised = (return - R_min) / (R_max - R_min), R_max being about the best return an agent can reach.
+PROCGEN_REFERENCE_SCORES = {
+    "Bigfish": ((1.0, 40.0), (0.0, 40.0)),
+    "Bossfight": ((0.5, 13.0), (0.5, 13.0)),
+    "Caveflyer": ((3.5, 12.0), (2.0, 13.4)),
+    "Chaser": ((0.5, 13.0), (0.5, 14.2)),
+    "Climber": ((2.0, 12.6), (1.0, 12.6)),
+    "Coinrun": ((5.0, 10.0), (5.0, 10.0)),
+    "Dodgeball": ((1.5, 19.0), (1.5, 19.0)),
+    "Fruitbot": ((-1.5, 32.4), (-0.5, 27.2)),
+    "Heist": ((3.5, 10.0), (2.0, 10.0)),
+    "Jumper": ((3.0, 10.0), (1.0, 10.0)),
+    "Leaper": ((3.0, 10.0), (1.5, 10.0)),
+    "Maze": ((5.0, 10.0), (4.0, 10.0)),
+    "Miner": ((1.5, 13.0), (1.5, 20.0)),
+    "Ninja": ((3.5, 10.0), (2.0, 10.0)),
+    "Plunder": ((4.5, 30.0), (3.0, 30.0)),
+    "Starpilot": ((2.5, 64.0), (1.5, 35.0)),
+}
+UNSEEN_LEVELS_TAG = "eval/unseen_levels_episodic_return"  # cleanba/evaluate.py --levels unseen
+
 
 # Published final scores to compare with, per (script, env): CleanRL's (mean +- std over seeds of the mean episodic
 # return at the end of training), from its benchmark pages (docs.cleanrl.dev/rl-algorithms/ppo/ and .../pqn/): ppo.py
@@ -127,6 +156,16 @@ def human_normalized(env_id: str, score: float) -> float | None:
         return None
     random_score, human_score = reference
     return (score - random_score) / (human_score - random_score)
+
+
+def procgen_normalized(env_id: str, score: float | None) -> float | None:
+    """(score - R_min) / (R_max - R_min) for Procgen's <Game>Easy-v0 and <Game>Hard-v0; None for other ids."""
+    for mode, suffix in enumerate(("Easy-v0", "Hard-v0")):
+        game = env_id[: -len(suffix)]
+        if env_id.endswith(suffix) and game in PROCGEN_REFERENCE_SCORES and score is not None:
+            low, high = PROCGEN_REFERENCE_SCORES[game][mode]
+            return (score - low) / (high - low)
+    return None
 
 
 AGGREGATES = ("median", "iqm", "mean")
@@ -184,6 +223,7 @@ def load_runs(directories: list[str]) -> list[dict]:
                 config = json.load(f)
             args, events = config["args"], read_events(run_dir)
             curve = events.scalars.get("charts/episodic_return", [])
+            unseen = [value for _, value, _ in events.scalars.get(UNSEEN_LEVELS_TAG, [])]
             script = config.get("script", "cleanba_ppo.py" if "update_epochs" in args else "cleanba_impala.py")
             env_id = args["env_id"]
             if args.get("mask_obs"):  # another task: the same environment with components of its observation hidden
@@ -198,6 +238,7 @@ def load_runs(directories: list[str]) -> list[dict]:
                         seed=args["seed"],
                         curve=curve,
                         started=events.started,
+                        test_score=float(np.mean(unseen)) if unseen else None,
                     )
                 )
     return runs
@@ -293,6 +334,55 @@ def plot_profiles(by_method: dict, path: str, label: str, repetitions: int):
     plt.close(fig)
 
 
+def interval_cells(point: dict, interval: dict) -> list[str]:  # "point [low, high]" of the median, IQM and mean
+    return [f"{point[n]:.4g} [{interval[n][0]:.4g}, {interval[n][1]:.4g}]" for n in ("median", "iqm", "mean")]
+
+
+def mean_and_std(values: list[float]) -> str:
+    return f"{np.mean(values):.3g} ± {np.std(values):.3g}" if values else "—"
+
+
+def report_procgen(runs: list[dict], out: str, repetitions: int):
+    """procgen.{md,csv}: per method and game, the train and test (unseen levels) returns, raw and normalised;
+    procgen_aggregates.{md,csv}: per method, the aggregates of the normalised train and test scores over its games."""
+    groups = defaultdict(list)
+    for run in runs:
+        groups[run["method"], run["env_id"]].append(run)
+    normalised = {
+        "train": defaultdict(lambda: defaultdict(list)),
+        "unseen levels": defaultdict(lambda: defaultdict(list)),
+    }
+    rows = []
+    for (method, env_id), group in sorted(groups.items()):
+        train = [run["score"] for run in group]
+        test = [run["test_score"] for run in group if run["test_score"] is not None]
+        normalised["train"][method][env_id] = [procgen_normalized(env_id, score) for score in train]
+        if test:
+            normalised["unseen levels"][method][env_id] = [procgen_normalized(env_id, score) for score in test]
+        cells = [train, normalised["train"][method][env_id], test, normalised["unseen levels"][method].get(env_id)]
+        rows.append([method, env_id, len(group), *[mean_and_std(values or []) for values in cells]])
+    header = ["method", "env_id", "seeds", "train return", "train normalised", "test return", "test normalised"]
+    write_table(os.path.join(out, "procgen"), header, rows)
+    aggregate_rows = []
+    for split, by_method in normalised.items():
+        for method, scores in sorted(by_method.items()):
+            point, interval = aggregates(scores), stratified_bootstrap(scores, repetitions)
+            aggregate_rows.append(
+                [method, split, len(scores), score_matrix(scores).size, *interval_cells(point, interval)]
+            )
+    header = [
+        "method",
+        "levels",
+        "games",
+        "runs",
+        *[f"{name} normalised [95% CI]" for name in ("median", "iqm", "mean")],
+    ]
+    write_table(os.path.join(out, "procgen_aggregates"), header, aggregate_rows)
+    for name in ("procgen.md", "procgen_aggregates.md"):
+        with open(os.path.join(out, name)) as f:
+            print(f.read())
+
+
 def write_table(path_stem: str, header: list[str], rows: list[list]):
     with open(f"{path_stem}.csv", "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
@@ -332,8 +422,11 @@ def main():
         run["score"] = final_score(run["curve"], args.last_fraction)
         run["hns"] = human_normalized(run["env_id"], run["score"])
         hns = "" if run["hns"] is None else run["hns"]
+        test_score = "" if run["test_score"] is None else run["test_score"]
         rows.append([run["method"], run["script"], run["env_id"], run["seed"], run["curve"][-1][0], run["score"], hns])
-    write_table(os.path.join(args.out, "scores"), ["method", "script", "env_id", "seed", "steps", "score", "hns"], rows)
+        rows[-1].append(test_score)
+    header = ["method", "script", "env_id", "seed", "steps", "score", "hns", "test_score"]
+    write_table(os.path.join(args.out, "scores"), header, rows)
 
     groups = defaultdict(list)
     for run in runs:
@@ -363,6 +456,9 @@ def main():
             [run for run in runs if run["env_id"] == env_id], env_id, os.path.join(args.out, f"curves_{env_id}.png")
         )
 
+    procgen = [run for run in runs if procgen_normalized(run["env_id"], run["score"]) is not None]
+    if procgen:
+        report_procgen(procgen, args.out, args.bootstrap)
     by_method = defaultdict(lambda: defaultdict(list))  # human-normalised scores of the Atari games only
     for run in runs:
         if run["hns"] is not None:
@@ -380,16 +476,13 @@ def main():
         for method, scores in sorted(by_method.items())
     }
 
-    def cells(s):
-        return [
-            f"{s['point'][n]:.4g} [{s['interval'][n][0]:.4g}, {s['interval'][n][1]:.4g}]"
-            for n in ("median", "iqm", "mean")
-        ]
-
     write_table(
         os.path.join(args.out, "aggregates"),
         ["method", "games", "runs", *[f"{name} HNS [95% CI]" for name in ("median", "iqm", "mean")]],
-        [[m, len(by_method[m]), score_matrix(by_method[m]).size, *cells(s)] for m, s in summary.items()],
+        [
+            [m, len(by_method[m]), score_matrix(by_method[m]).size, *interval_cells(s["point"], s["interval"])]
+            for m, s in summary.items()
+        ],
     )
     plot_aggregates(summary, os.path.join(args.out, "aggregates.png"), "Human-normalised score")
     if args.profiles:

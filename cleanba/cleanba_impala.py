@@ -1207,7 +1207,7 @@ class RunDir:
 
     def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
         """When due, and when the run stops: written whole and flushed with its checksum, the --keep-checkpoints older
-        moved back a place (hard links: checkpoint.msgpack is never missing), then renamed in. A failed write stops."""
+        copied back a place (checkpoint.msgpack is never missing), then renamed in. A failed write stops the run."""
         interval = self.args.checkpoint_interval
         elapsed = time.time() - self.last_checkpoint_time
         due = (interval and update % interval == 0) or elapsed > 60 * self.args.checkpoint_minutes
@@ -1232,10 +1232,9 @@ class RunDir:
             print(f"error: writing {paths[0]}.tmp after update {update} failed ({error}); {kept}", file=sys.stderr)
             os._exit(CHECKPOINT_NOT_WRITTEN)
         for older, newer in reversed(list(zip(paths[1:], paths[:-1], strict=True))):
-            if os.path.exists(newer):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(older)
-                os.link(newer, older)
+            if os.path.exists(newer):  # copied, not linked: a bit that flips in one is not flipped in the other
+                shutil.copyfile(newer, f"{older}.tmp")
+                os.replace(f"{older}.tmp", older)
         os.replace(f"{paths[0]}.tmp", paths[0])
 
     def close(self, finished: bool):

@@ -16,7 +16,7 @@ from tensorboardX import SummaryWriter
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_run(root, method, env_id, seed, returns):
+def make_run(root, method, env_id, seed, returns, unseen_levels=()):
     run_dir = os.path.join(root, f"{env_id}__{method}__{seed}")
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -24,7 +24,14 @@ def make_run(root, method, env_id, seed, returns):
     writer = SummaryWriter(run_dir)
     for step, value in enumerate(returns):
         writer.add_scalar("charts/episodic_return", value, (step + 1) * 1000)
+    for episode, value in enumerate(unseen_levels):  # as cleanba/evaluate.py --levels unseen logs them
+        writer.add_scalar("eval/unseen_levels_episodic_return", value, episode)
     writer.close()
+
+
+def aggregate(runs, out, *flags) -> subprocess.CompletedProcess:
+    command = [sys.executable, os.path.join(REPO, "cleanba", "aggregate.py"), str(runs), "--out", str(out), *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
 def test_atari_aggregates_with_rliable(tmp_path):
@@ -36,13 +43,7 @@ def test_atari_aggregates_with_rliable(tmp_path):
             make_run(runs, "strong", env_id, seed, [0.0] * 9 + [score])
             make_run(runs, "weak", env_id, seed, [0.0] * 9 + [finals[env_id][-1]])
     out = tmp_path / "results"
-    command = [sys.executable, os.path.join(REPO, "cleanba", "aggregate.py"), str(runs), "--out", str(out)]
-    result = subprocess.run(
-        [*command, "--bootstrap", "50"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = aggregate(runs, out, "--bootstrap", "50")
     assert result.returncode == 0, result.stderr
     # Qbert has 2 seeds, the others 3: rliable's stratified bootstrap takes the first 2 of each, and says so.
     assert "aggregates over the first 2 runs of each game" in result.stdout
@@ -60,3 +61,32 @@ def test_atari_aggregates_with_rliable(tmp_path):
     with open(out / "scores.csv") as f:
         hns = [float(row["hns"]) for row in csv.DictReader(f) if row["method"] == "strong" and row["seed"] == "1"]
     assert hns == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_procgen_train_and_test_returns_normalised(tmp_path):
+    """Procgen's runs: the train score (the run's returns) and the test score (evaluate.py's episodes on unseen
+    levels), normalised by the published R_min and R_max of the game and mode, per game and aggregated per method."""
+    runs = tmp_path / "runs"
+    # Starpilot easy: R_min 2.5, R_max 64; Coinrun easy: 5, 10; Bigfish hard: 0, 40.
+    games = {"StarpilotEasy-v0": (64.0, 33.25), "CoinrunEasy-v0": (10.0, 7.5), "BigfishHard-v0": (40.0, 20.0)}
+    for env_id, (train, test) in games.items():
+        for seed in (1, 2):
+            make_run(runs, "ppo", env_id, seed, [0.0] * 9 + [train], unseen_levels=[test - 1.0, test + 1.0])
+    make_run(runs, "ppo", "Pong-v5", 1, [14.6])  # an Atari game beside them
+    result = aggregate(runs, tmp_path / "results", "--bootstrap", "50", "--no-profiles")
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "results" / "procgen.csv") as f:
+        rows = {row["env_id"]: row for row in csv.DictReader(f)}
+    assert set(rows) == set(games) and rows["CoinrunEasy-v0"]["seeds"] == "2"
+    assert rows["CoinrunEasy-v0"]["train normalised"] == "1 ± 0" and rows["CoinrunEasy-v0"]["test return"] == "7.5 ± 0"
+    assert [rows[env_id]["test normalised"] for env_id in games] == ["0.5 ± 0"] * 3
+    with open(tmp_path / "results" / "procgen_aggregates.csv") as f:
+        aggregates = {row["levels"]: row for row in csv.DictReader(f)}
+    assert aggregates["train"]["mean normalised [95% CI]"].startswith("1 [")
+    assert aggregates["unseen levels"]["iqm normalised [95% CI]"].startswith("0.5 [")
+    assert aggregates["unseen levels"]["games"] == "3" and aggregates["unseen levels"]["runs"] == "6"
+    with open(tmp_path / "results" / "scores.csv") as f:
+        tests = {row["env_id"]: row["test_score"] for row in csv.DictReader(f) if row["seed"] == "1"}
+    assert tests.pop("Pong-v5") == "" and {env_id: float(score) for env_id, score in tests.items()} == {
+        env_id: test for env_id, (_, test) in games.items()
+    }
