@@ -24,6 +24,14 @@
 #   impala-atari57-8gpu      IMPALA on 8 GPUs per run, same layout
 #   impala-atari57-2nodes    IMPALA on 2 nodes x 4 GPUs per run (a0-l1,2,3-d2), --distributed under srun
 #   pqn-atari57              PQN, Atari-57 x 3 seeds, 10M steps (the paper's budget), one GPU per run, synchronous
+#   procgen                  PPO on the 16 Procgen games, easy mode, 200 training levels, 25M steps, 3 seeds, one GPU
+#                            per run (the generalisation protocol of Cobbe et al., 2020, and the papers that report
+#                            on it, with their PPO settings: 64 envs x 256 steps, 8 minibatches x 3 epochs, Adam 5e-4,
+#                            gamma 0.999, rewards normalised); the model saved
+#   procgen-cleanba          the same with the original Cleanba's number of Procgen envs (60: 2 x 30); its other
+#                            settings are those above
+#   procgen-test             each finished Procgen run under runs/ plays 100 episodes on unseen levels
+#                            (cleanba/evaluate.py --levels unseen); then aggregate.py reports train and test returns
 #   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
 #                            kinds each from a seeded schedule, every invariant checked; figures in
 #                            docs/results/soak/soak.{json,md} (~40 minutes on 2 CPU cores)
@@ -54,6 +62,14 @@ Gravitar-v5 Hero-v5 IceHockey-v5 Jamesbond-v5 Kangaroo-v5 Krull-v5 KungFuMaster-
 MsPacman-v5 NameThisGame-v5 Phoenix-v5 Pitfall-v5 Pong-v5 PrivateEye-v5 Qbert-v5 Riverraid-v5 RoadRunner-v5
 Robotank-v5 Seaquest-v5 Skiing-v5 Solaris-v5 SpaceInvaders-v5 StarGunner-v5 Surround-v5 Tennis-v5
 TimePilot-v5 Tutankham-v5 UpNDown-v5 Venture-v5 VideoPinball-v5 WizardOfWor-v5 YarsRevenge-v5 Zaxxon-v5"
+PROCGEN16="BigfishEasy-v0 BossfightEasy-v0 CaveflyerEasy-v0 ChaserEasy-v0 ClimberEasy-v0 CoinrunEasy-v0
+DodgeballEasy-v0 FruitbotEasy-v0 HeistEasy-v0 JumperEasy-v0 LeaperEasy-v0 MazeEasy-v0 MinerEasy-v0 NinjaEasy-v0
+PlunderEasy-v0 StarpilotEasy-v0"
+# Procgen's PPO (Cobbe et al., 2020): 256-step rollouts, 8 minibatches (along time) x 3 epochs, gamma 0.999, lambda
+# 0.95, entropy 0.01, clip 0.2, gradient norm 0.5, Adam 5e-4 (not annealed), rewards normalised; 25M steps.
+PROCGEN_PPO="--num-levels 200 --num-steps 256 --num-minibatches 8 --update-epochs 3 --learning-rate 5e-4
+--no-anneal-lr --gamma 0.999 --gae-lambda 0.95 --ent-coef 0.01 --clip-coef 0.2 --max-grad-norm 0.5 --norm-reward True
+--total-timesteps 25000000 --save-model --track"
 SEEDS="1 2 3"
 launch() { $PYTHON cleanba/launch.py "$@"; }
 
@@ -202,6 +218,18 @@ case "$grid" in
     launch --slurm --job-name pqn --log-dir launch_logs/pqn --env-ids $ATARI57 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
       $PYTHON cleanba/cleanba_pqn.py --exp-name cleanba_pqn_a0_l0_d1 --track ;;
   # --8<-- [end:atari]
+  # --8<-- [start:procgen]
+  procgen)
+    launch --slurm --job-name procgen --log-dir launch_logs/procgen --env-ids $PROCGEN16 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_procgen --local-num-envs 32 $PROCGEN_PPO ;;
+  procgen-cleanba)
+    launch --slurm --job-name procgen-cleanba --log-dir launch_logs/procgen-cleanba --env-ids $PROCGEN16 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
+      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_procgen_cleanba --local-num-envs 30 $PROCGEN_PPO ;;
+  procgen-test)
+    for run in runs/*Easy-v0__cleanba_ppo_procgen*; do
+      $PYTHON cleanba/evaluate.py "$run" --levels unseen --episodes 100 "$@"
+    done ;;
+  # --8<-- [end:procgen]
   soak)
     $PYTHON tests/soak.py --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
   gpu-throughput)

@@ -1,19 +1,21 @@
-"""cleanba/aggregate.py on an Atari grid, in seconds: runs made of event files, no training.
+"""cleanba/aggregate.py on Atari and Procgen grids, in seconds: runs made of event files, no training.
 
-The grid test in tests/test_launch.py aggregates real CartPole runs, which have no human-normalised score; this one
-covers the Atari path: rliable's aggregates with stratified-bootstrap intervals, its plots and a partial grid.
+The grid test in tests/test_launch.py aggregates real CartPole runs, which have no normalised score; these cover the
+Atari path (rliable's aggregates with stratified-bootstrap intervals, its plots, a partial grid) and Procgen's (train
+and test returns normalised by the published constants).
 """
 
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
+import envpool
 import pytest
+from helpers import REPO, load_module
 from tensorboardX import SummaryWriter
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_run(root, method, env_id, seed, returns, unseen_levels=()):
@@ -90,3 +92,14 @@ def test_procgen_train_and_test_returns_normalised(tmp_path):
     assert tests.pop("Pong-v5") == "" and {env_id: float(score) for env_id, score in tests.items()} == {
         env_id: test for env_id, (_, test) in games.items()
     }
+
+
+def test_the_procgen_grid_and_its_constants_cover_the_16_games():
+    """The Procgen grid (benchmark.sh): 16 games, easy mode, each with its normalisation constants, all EnvPool's."""
+    constants = load_module(os.path.join(REPO, "cleanba", "aggregate.py")).PROCGEN_REFERENCE_SCORES
+    with open(os.path.join(REPO, "benchmark.sh")) as f:
+        grid = re.search(r'PROCGEN16="([^"]*)"', f.read()).group(1).split()
+    assert len(grid) == len(constants) == 16 and set(grid) == {f"{game}Easy-v0" for game in constants}
+    assert {f"{game}{mode}-v0" for game in constants for mode in ("Easy", "Hard")} <= set(envpool.list_all_envs())
+    for easy, hard in constants.values():
+        assert easy[0] < easy[1] and hard[0] < hard[1]
