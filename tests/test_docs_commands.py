@@ -45,6 +45,7 @@ PAGES = ["README.md"] + sorted(
 # Flags of other programs, on the pages that name them.
 FOREIGN = {
     "docs/guides/slurm.md": {"--requeue", "--signal"},  # sbatch's
+    "docs/guides/failures.md": {"--requeue"},  # sbatch's
     "docs/performance.md": {"--configs", "--algos", "--runs", "--budget"},  # throughput.py's, gpu_check.py's
     "docs/guides/modifying.md": {  # flags added to copies of cleanba_ppo.py
         *"--clip-vloss --kl-coef-init --kl-target --lr-warmup-fraction --aux-coef".split()
