@@ -325,7 +325,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     name = run_name(algo, seed)
     run_dir = os.path.join(work, "runs", name)
     attempts = []
-    lost = []  # (fault, updates lost, the policy's bound)
+    lost = []  # (the previous attempt's fault, a corruption after it, updates lost, the policy's bound)
     started = time.time()
     schedule = list(schedule) if schedule else None
     while True:
@@ -372,7 +372,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     chaotic_seconds = time.time() - started
     check_records(run_dir, updates)
     assert sorted(os.listdir(work)) == ["runs"] and os.listdir(os.path.join(work, "runs")) == [name], os.listdir(work)
-    replay_seconds = replay(algo, directory, flags, name, [a.resumed_from for a in attempts], updates, run_dir)
+    replay_seconds = replay(algo, directory, flags, name, [a.resumed_from for a in attempts], run_dir)
     kinds = [a.fault for a in attempts if a.fault] + [a.corrupted for a in attempts if a.corrupted]
     return dict(
         algo=algo,
@@ -413,7 +413,7 @@ def lineage(resume_points: list[int]) -> list[int]:
     return chain
 
 
-def replay(algo, directory, flags, name, resume_points, updates, run_dir) -> float:
+def replay(algo: str, directory: str, flags: list[str], name: str, resume_points: list[int], run_dir: str) -> float:
     """The same command stopped cleanly at the chaotic run's resume points (in its lineage) and run again: its
     updates.jsonl must equal the chaotic run's, bit for bit."""
     started = time.time()
