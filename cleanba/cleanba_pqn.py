@@ -154,6 +154,13 @@ def make_env(args: Args, num_envs: int, first_env_index: int, **threads):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Networks
+def max_pool(x):  # nn.max_pool(x, (3, 3), (2, 2), "SAME") without select-and-scatter (slow with deterministic GPU ops)
+    x = jnp.pad(x, [(0, 0), (x.shape[1] % 2, 1), (x.shape[2] % 2, 1), (0, 0)], constant_values=-jnp.inf)  # as "SAME"
+    windows = [x[:, i : x.shape[1] - 2 + i : 2, j : x.shape[2] - 2 + j : 2] for i in range(3) for j in range(3)]
+    # The gradient goes to each window's first maximum, as select-and-scatter's does: the same bits on a CPU.
+    return jax.lax.select_n(jnp.argmax(jnp.stack(windows), axis=0), *windows)
+
+
 class ResNet(nn.Module):
     """The IMPALA network (Espeholt et al., 2018): three conv stacks of two residual blocks, then a 256-unit layer."""
 
@@ -164,7 +171,7 @@ class ResNet(nn.Module):
         x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # EnvPool frames are NCHW uint8
         for channels in (16, 32, 32):
             x = nn.Conv(channels, kernel_size=(3, 3))(x)
-            x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+            x = max_pool(x)
             for _ in range(2):  # a residual block
                 block = nn.Conv(channels, kernel_size=(3, 3))(nn.relu(x))
                 x = x + nn.Conv(channels, kernel_size=(3, 3))(nn.relu(block))
@@ -349,11 +356,10 @@ def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]
 
 
 def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
-    """(EnvPool's handle, an actor thread's rollout): num_steps of `act`, the envs' step and `observe`, then
-    `bootstrap`, in each of its EnvPools: (params, the pools' states) -> (their next states, the batch (T, envs, ...)).
-    On a CPU with one pool: one jitted program, EnvPool's XLA step in a lax.scan. Else the pools take turns: a pool's
-    envs step on the host's cores while the next pool's actions are inferred (EnvPool's send and recv). The scan gave
-    wrong data on a GPU (docs/notes/compiled-rollout.md); tests/test_scripts.py: both collect the same data."""
+    """(EnvPool's handle, an actor thread's rollout (params, its pools' states) -> (their next states, the batch)):
+    num_steps of `act`, the envs' step and `observe`, then `bootstrap`. On a CPU with one pool: one jitted program,
+    EnvPool's XLA step in a lax.scan (which gave wrong data on a GPU: docs/notes/compiled-rollout.md). Else the pools
+    take turns: a pool's envs step while the next pool's actions are inferred (tests: both collect the same data)."""
     act = jax.jit(act)
     observe_step = jax.jit(functools.partial(observe, args))
     bootstrap = jax.jit(bootstrap)
@@ -519,8 +525,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     G = args.layout_free_group_size
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
-    # XLA:CPU puts convolutions in its fast kernels' layout only in a program's entry computation (jax#12868): in a
-    # loop gradient convolutions run slower (ResNet ~10x, MiniGrid's CNN ~3x), so the minibatch loops are unrolled.
+    # XLA:CPU runs a loop's gradient convolutions 3-10x slower (jax#12868): on a CPU the minibatch loops are unrolled.
     def scan_or_unroll(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
         if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
             return jax.lax.scan(f, carry, xs)
@@ -678,7 +683,7 @@ DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
 CHECKPOINT_NOT_WRITTEN = 74  # EX_IOERR (sysexits.h): an input/output error
 # --capture-video's companion process (a tool beside the scripts, which never import it).
-RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
+RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")  # --capture-video's recorder
 
 
 def check_args(args: Args):
@@ -1108,8 +1113,7 @@ class RunDir:
         self.recent = []
         eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
         recent = f"{returns / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
-        # The side that waits more is the faster one.
-        actor_wait = scalars.get("stats/params_queue_get_time", 0)
+        actor_wait = scalars.get("stats/params_queue_get_time", 0)  # the side that waits more is the faster one
         waits = f"waits: learner {timings['rollout_queue_get_time']:.2f}s, actors {actor_wait:.2f}s"
         progress = f"update {update}/{self.cfg.num_updates} | step {step:,} | SPS {sps:,} | return {recent}"
         print(f"{progress} | ETA {eta / 60:.1f} min | {waits}")

@@ -208,7 +208,7 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
     networks = algo.make_networks(args, spec)
     state, _ = algo.init_train_state(args, cfg, networks, spec.observation_space)
     state, _ = algo.resume(cfg, state, None, "")  # a fresh state, on the learner devices
-    replica_params = algo.replica(state.params)
+    replica_params = state.params  # on the learner devices, as Actors.publish takes them
     num_threads = args.num_actor_threads
 
     env_sps = env_ceiling(algo, args, num_threads, seconds)

@@ -1,0 +1,337 @@
+"""Where an actor step's time goes, on the device the script would use: one call, one JSON and one markdown table.
+
+    source .gpu/env.sh && python3 tests/benchmarks/actor_step.py --out "$OUT/actor_step"   # on the GPU machine
+    python tests/benchmarks/actor_step.py --out /tmp/actor_step --seconds 2 -- --local-num-envs 8 --num-steps 8
+
+A script's defaults (IMPALA's by default, Breakout-v5, 2 actor threads x 64 envs), in this one process, with XLA's
+deterministic GPU ops as the script sets them (--no-deterministic-gpu: off). Each part runs its actor threads
+concurrently for --seconds, as the script's threads do, each with its own EnvPool (the script's thread share):
+
+1. EnvPool alone: random actions, EnvPool's synchronous step;
+2. the script's actor loop, one EnvPool per thread, timed phase by phase: the wait in EnvPool's recv, the `observe`
+   call, the `act` call, the wait for the action on the host, EnvPool's send; then the same loop with `observe` and
+   `act` fused into one jitted call per step;
+3. both loops again while a learner thread runs the script's update on the actors' first batch without pause, as
+   the Cleanba architecture does on a single device (the device then runs the learner's and the actors' programs);
+4. the learner's update alone, with the network's max-pools as the script has them (flax's reduce_window, whose
+   gradient is XLA's select-and-scatter) and as a maximum over the window's 9 strided slices whose gradient goes to
+   the first maximum, like select-and-scatter's, by padding and adding, with no scatter; and whether the two give
+   the same parameters bit for bit.
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+import threading
+import time
+
+import envpool
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+WARMUP_STEPS = 3  # per thread, untimed: the first compiles the loop's calls
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import throughput  # noqa: E402
+
+
+def pools_of(algo, args) -> list:
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = [algo.env_threads(args, i, cpus) for i in range(args.num_actor_threads)]
+    envs = args.local_num_envs
+    return [algo.make_env(args, envs, i * envs, **share) for i, share in enumerate(shares)]
+
+
+def policy_of(algo, args, networks, pools, platform: str):
+    """The script's jitted `act` of its make_rollout (captured on its way to compile_rollout)."""
+    captured = {}
+    original = algo.compile_rollout
+
+    def capture(args, act, bootstrap, pools, platform):
+        captured["act"] = act
+        return original(args, act, bootstrap, pools, platform)
+
+    algo.compile_rollout = capture
+    try:
+        algo.make_rollout(args, networks, pools[:1], platform)
+    finally:
+        algo.compile_rollout = original
+    return captured["act"]
+
+
+def actor_loops(algo, args, networks, pools, params, device, seconds: float, fused: bool, learner=None) -> dict:
+    """Each thread steps its pool as the script's loop does for --seconds; phase means in ms per step, steps/s."""
+    act = policy_of(algo, args, networks, pools, device.platform)
+    action_dtype = pools[0].spec.action_array_spec["action"].dtype
+    observe = jax.jit(functools.partial(algo.observe, args))
+    act_jit = jax.jit(act)
+
+    @jax.jit
+    def observe_and_act(params, env, outputs):
+        env, record = algo.observe(args, env, env.handle, outputs)
+        action, policy, core = act(params, env)
+        return env._replace(core=core), {**record, **policy}, action
+
+    phases = ["recv", "observe", "act", "action_wait", "send"]
+    totals = [dict.fromkeys(phases, 0.0) for _ in pools]
+    steps = [0] * len(pools)
+
+    def receive(envs):
+        obs, reward, terminated, truncated, info = envs.recv()
+        info = {"reward": info["reward"]} if "reward" in info else {}
+        return algo.to_float32((obs, reward, terminated, truncated, info))
+
+    def work(i):
+        envs = pools[i]
+        ids = np.arange(i * args.local_num_envs, (i + 1) * args.local_num_envs)
+        state = jax.device_put(algo.first_state(envs, np.zeros(1, np.uint8), ids, 0, networks), device)
+        action, _, core = act_jit(params, state)
+        state = state._replace(core=core)
+        envs.send(np.asarray(action, action_dtype))
+        deadline = None
+        t = dict.fromkeys(phases, 0.0)  # the warm-up steps' (compilation), then the timed steps'
+        while deadline is None or time.perf_counter() < deadline:
+            if deadline is None and steps[i] == WARMUP_STEPS:
+                deadline = time.perf_counter() + seconds
+                t = totals[i]
+                steps[i] = 0
+            start = time.perf_counter()
+            outputs = receive(envs)
+            received = time.perf_counter()
+            if fused:
+                state, _, action = observe_and_act(params, state, outputs)
+                observed = acted = time.perf_counter()
+            else:
+                state, _ = observe(state, state.handle, outputs)
+                observed = time.perf_counter()
+                action, _, core = act_jit(params, state)
+                state = state._replace(core=core)
+                acted = time.perf_counter()
+            on_host = np.asarray(action, action_dtype)
+            waited = time.perf_counter()
+            envs.send(on_host)
+            sent = time.perf_counter()
+            for phase, a, b in zip(
+                phases,
+                [start, received, observed, acted, waited],
+                [received, observed, acted, waited, sent],
+                strict=True,
+            ):
+                t[phase] += b - a
+            steps[i] += 1
+        envs.recv()  # the step in flight
+
+    updates = []
+    stop = threading.Event()
+    learner_thread = None
+    if learner is not None:
+
+        def learn():
+            while not stop.is_set():
+                start = time.perf_counter()
+                learner()
+                updates.append(time.perf_counter() - start)
+
+        learner_thread = threading.Thread(target=learn)
+        learner_thread.start()
+        time.sleep(1.0)  # its first update compiled
+        updates.clear()
+    try:
+        throughput.in_threads(work, len(pools))
+    finally:
+        stop.set()
+        if learner_thread:
+            learner_thread.join()
+    total_steps = sum(steps)
+    per_step = {phase: 1000 * sum(t[phase] for t in totals) / total_steps for phase in phases}
+    # Each thread timed --seconds of steps after its warm-up; their windows overlap but for the warm-ups' spread.
+    result = dict(sps=total_steps * args.local_num_envs / seconds, ms_per_step=per_step, steps=total_steps)
+    if learner is not None:
+        result.update(updates=len(updates), update_s=float(np.median(updates)) if updates else None)
+    return result
+
+
+def strided_max_pool(x, window_shape, strides, padding="VALID"):
+    """flax's nn.max_pool (NHWC) as the maximum of the window's strided slices; the gradient goes to each window's
+    first maximum in row-major order (select-and-scatter's choice), placed by interior padding and summed in the order
+    select-and-scatter adds (windows in row-major order), with no scatter."""
+    pads = jax.lax.padtype_to_pads(x.shape[1:3], window_shape, strides, padding)
+    out_shape = [(x.shape[1 + d] + sum(pads[d]) - window_shape[d]) // strides[d] + 1 for d in range(2)]
+    offsets = [(i, j) for i in range(window_shape[0]) for j in range(window_shape[1])]
+
+    def slices(padded):
+        return [
+            padded[
+                :,
+                i : i + strides[0] * (out_shape[0] - 1) + 1 : strides[0],
+                j : j + strides[1] * (out_shape[1] - 1) + 1 : strides[1],
+            ]
+            for i, j in offsets
+        ]
+
+    def padded_of(x):
+        return jnp.pad(x, [(0, 0), pads[0], pads[1], (0, 0)], constant_values=-jnp.inf)
+
+    @jax.custom_vjp
+    def pool(x):
+        return functools.reduce(jnp.maximum, slices(padded_of(x)))
+
+    def forward(x):
+        out = pool(x)
+        return out, (x, out)
+
+    def backward(residuals, g):
+        x, out = residuals
+        padded_shape = padded_of(x).shape
+        taken = jnp.zeros(out.shape, bool)
+        grad = jnp.zeros(padded_shape, g.dtype)
+        chosen = []
+        for window in slices(padded_of(x)):
+            first = (window == out) & ~taken
+            taken = taken | first
+            chosen.append(jnp.where(first, g, 0.0))
+        for (i, j), contribution in reversed(list(zip(offsets, chosen, strict=True))):
+            high = [padded_shape[1 + d] - (o + strides[d] * (out_shape[d] - 1) + 1) for d, o in enumerate((i, j))]
+            config = [(0, 0, 0), (i, high[0], strides[0] - 1), (j, high[1], strides[1] - 1), (0, 0, 0)]
+            grad = grad + jax.lax.pad(contribution, jnp.zeros((), g.dtype), config)
+        h, w = x.shape[1:3]
+        return (grad[:, pads[0][0] : pads[0][0] + h, pads[1][0] : pads[1][0] + w],)
+
+    pool.defvjp(forward, backward)
+    return pool(x)
+
+
+LOOPS = [
+    ("two calls", False, False),
+    ("fused", True, False),
+    ("two calls + learner", False, True),
+    ("fused + learner", True, True),
+]
+
+
+def markdown(report: dict) -> str:
+    ops = "deterministic" if report["deterministic_gpu"] else "non-deterministic"
+    lines = [
+        f"{report['device']}, {report['cores']} CPU cores, JAX {report['jax']}, {report['date']}; {report['algo']} on "
+        f"{report['env_id']}, {report['threads']} actor threads x {report['envs_per_thread']} envs, {ops} GPU ops",
+        "",
+        f"EnvPool alone: **{report['env_alone_sps']:,.0f} steps/s**",
+        "",
+        "| loop | steps/s | / alone | ms: recv | observe | act | action wait | send | learner s/update |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, *_ in LOOPS:
+        if name in report:
+            r = report[name]
+            ms = " | ".join(f"{r['ms_per_step'][p]:.2f}" for p in ["recv", "observe", "act", "action_wait", "send"])
+            learner = f"{r['update_s']:.3f} ({r['updates']})" if r.get("update_s") else "-"
+            lines.append(f"| {name} | {r['sps']:,.0f} | {r['sps'] / report['env_alone_sps']:.2f} | {ms} | {learner} |")
+    for name in ["update", "strided max-pool update"]:
+        if name in report:
+            r = report[name]
+            same = ""
+            if "params_bitwise_equal" in r:
+                same = f"; parameters bitwise equal: {r['params_bitwise_equal']} (max diff {r['max_abs_diff']:.3g})"
+            lines.append(f"\n{name}: {r['median_s']:.4f} s per update (first {r['first_s']:.1f} s){same}")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="a directory for actor_step.json and actor_step.md")
+    parser.add_argument("--algo", default="impala", choices=["ppo", "impala", "pqn"])
+    parser.add_argument("--seconds", type=float, default=8.0, help="per part")
+    parser.add_argument("--env-id", default="Breakout-v5")
+    parser.add_argument("--no-deterministic-gpu", action="store_true")
+    parser.add_argument("flags", nargs="*", help="after --: the script's flags")
+    opts = parser.parse_args()
+    deterministic = str(not opts.no_deterministic_gpu).lower()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops={deterministic}".strip()
+    algo = throughput.load_script(opts.algo)
+    args = tyro.cli(algo.Args, args=["--env-id", opts.env_id, *opts.flags, "--total-timesteps", str(10**9)])
+    args.concurrency = False
+    cfg = algo.derive_config(args)
+    spec = envpool.make_spec(args.env_id, **algo.env_options(args))
+    networks = algo.make_networks(args, spec)
+    state, _ = algo.init_train_state(args, cfg, networks, spec.observation_space)
+    state, _ = algo.resume(cfg, state, None, "")
+    device = cfg.actor_devices[0]
+    params = jax.device_put(jax.tree.map(lambda x: x.addressable_data(0)[0], state.params), device)
+    report = dict(
+        device=device.device_kind,
+        cores=len(os.sched_getaffinity(0)),
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        algo=opts.algo,
+        env_id=args.env_id,
+        threads=args.num_actor_threads,
+        envs_per_thread=args.local_num_envs,
+        deterministic_gpu=not opts.no_deterministic_gpu,
+    )
+    os.makedirs(opts.out, exist_ok=True)
+    path = os.path.join(opts.out, f"actor_step_{opts.algo}_{'det' if report['deterministic_gpu'] else 'nondet'}.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        with open(path.replace(".json", ".md"), "w") as f:
+            f.write(markdown(report))
+
+    report["env_alone_sps"] = throughput.env_ceiling(algo, args, args.num_actor_threads, opts.seconds)
+    save()
+    _, first = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts=2)
+    update_fn = algo.make_update(args, cfg, networks)
+    batch = algo.collate(first, len(cfg.local_learner_devices))
+    states = [state]
+
+    def learner():
+        new_state, losses, *_ = update_fn(states[0], batch, 1)
+        jax.block_until_ready(losses)
+        states[0] = new_state
+
+    first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
+    report["update"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
+    save()
+    pools = pools_of(algo, args)
+    for name, fused, with_learner in [
+        ("two calls", False, False),
+        ("fused", True, False),
+        ("two calls + learner", False, True),
+        ("fused + learner", True, True),
+    ]:
+        report[name] = actor_loops(
+            algo, args, networks, pools, params, device, opts.seconds, fused, learner if with_learner else None
+        )
+        save()
+    # The max-pool as strided slices: the same update, its time, and whether its parameters are the same bits.
+    reference, *_ = update_fn(state, batch, 1)
+    original = algo.nn.max_pool
+    algo.nn.max_pool = strided_max_pool
+    try:
+        strided_update = algo.make_update(args, cfg, networks)
+        strided, *_ = strided_update(state, batch, 1)
+        same = jax.tree.map(
+            lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), reference.params, strided.params
+        )
+        diff = jax.tree.map(
+            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), reference.params, strided.params
+        )
+        update_fn = strided_update
+        states[0] = state
+        first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
+    finally:
+        algo.nn.max_pool = original
+    leaves = jax.tree.leaves(same)
+    report["strided max-pool update"] = dict(
+        first_s=first_s, median_s=update_s, params_bitwise_equal=all(leaves), max_abs_diff=max(jax.tree.leaves(diff))
+    )
+    save()
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
