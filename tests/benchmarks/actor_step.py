@@ -13,10 +13,12 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
    `act` fused into one jitted call per step;
 3. both loops again while a learner thread runs the script's update on the actors' first batch without pause, as
    the Cleanba architecture does on a single device (the device then runs the learner's and the actors' programs);
-4. the learner's update alone, with the network's max-pools as the script has them (flax's reduce_window, whose
-   gradient is XLA's select-and-scatter) and as a maximum over the window's 9 strided slices whose gradient goes to
-   the first maximum, like select-and-scatter's, by padding and adding, with no scatter; and whether the two give
-   the same parameters bit for bit.
+4. the learner's update alone, with the ResNet's max-pools as the script has them (the maximum of each window's 9
+   strided slices, no scatter in its gradient) and as flax's nn.max_pool (XLA's select-and-scatter in its gradient,
+   slow with deterministic GPU ops), and whether the two give the same parameters bit for bit (on a CPU they do).
+
+The first figures (docs/results/gpu/actor_step_impala_*.md) came from this file's first version (commit bfeecc9),
+when the script's ResNet had flax's max-pool and the variant was the strided one.
 """
 
 import argparse
@@ -28,8 +30,8 @@ import threading
 import time
 
 import envpool
+import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tyro
 
@@ -155,54 +157,9 @@ def actor_loops(algo, args, networks, pools, params, device, seconds: float, fus
     return result
 
 
-def strided_max_pool(x, window_shape, strides, padding="VALID"):
-    """flax's nn.max_pool (NHWC) as the maximum of the window's strided slices; the gradient goes to each window's
-    first maximum in row-major order (select-and-scatter's choice), placed by interior padding and summed in the order
-    select-and-scatter adds (windows in row-major order), with no scatter."""
-    pads = jax.lax.padtype_to_pads(x.shape[1:3], window_shape, strides, padding)
-    out_shape = [(x.shape[1 + d] + sum(pads[d]) - window_shape[d]) // strides[d] + 1 for d in range(2)]
-    offsets = [(i, j) for i in range(window_shape[0]) for j in range(window_shape[1])]
-
-    def slices(padded):
-        return [
-            padded[
-                :,
-                i : i + strides[0] * (out_shape[0] - 1) + 1 : strides[0],
-                j : j + strides[1] * (out_shape[1] - 1) + 1 : strides[1],
-            ]
-            for i, j in offsets
-        ]
-
-    def padded_of(x):
-        return jnp.pad(x, [(0, 0), pads[0], pads[1], (0, 0)], constant_values=-jnp.inf)
-
-    @jax.custom_vjp
-    def pool(x):
-        return functools.reduce(jnp.maximum, slices(padded_of(x)))
-
-    def forward(x):
-        out = pool(x)
-        return out, (x, out)
-
-    def backward(residuals, g):
-        x, out = residuals
-        padded_shape = padded_of(x).shape
-        taken = jnp.zeros(out.shape, bool)
-        grad = jnp.zeros(padded_shape, g.dtype)
-        chosen = []
-        for window in slices(padded_of(x)):
-            first = (window == out) & ~taken
-            taken = taken | first
-            chosen.append(jnp.where(first, g, 0.0))
-        for (i, j), contribution in reversed(list(zip(offsets, chosen, strict=True))):
-            high = [padded_shape[1 + d] - (o + strides[d] * (out_shape[d] - 1) + 1) for d, o in enumerate((i, j))]
-            config = [(0, 0, 0), (i, high[0], strides[0] - 1), (j, high[1], strides[1] - 1), (0, 0, 0)]
-            grad = grad + jax.lax.pad(contribution, jnp.zeros((), g.dtype), config)
-        h, w = x.shape[1:3]
-        return (grad[:, pads[0][0] : pads[0][0] + h, pads[1][0] : pads[1][0] + w],)
-
-    pool.defvjp(forward, backward)
-    return pool(x)
+def flax_max_pool(x):
+    """The max-pool the scripts' ResNet had before 2026-11-26: flax's, whose gradient is XLA's select-and-scatter."""
+    return nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
 
 
 LOOPS = [
@@ -230,7 +187,7 @@ def markdown(report: dict) -> str:
             ms = " | ".join(f"{r['ms_per_step'][p]:.2f}" for p in ["recv", "observe", "act", "action_wait", "send"])
             learner = f"{r['update_s']:.3f} ({r['updates']})" if r.get("update_s") else "-"
             lines.append(f"| {name} | {r['sps']:,.0f} | {r['sps'] / report['env_alone_sps']:.2f} | {ms} | {learner} |")
-    for name in ["update", "strided max-pool update"]:
+    for name in ["update", "update, flax max-pool"]:
         if name in report:
             r = report[name]
             same = ""
@@ -307,26 +264,26 @@ def main():
             algo, args, networks, pools, params, device, opts.seconds, fused, learner if with_learner else None
         )
         save()
-    # The max-pool as strided slices: the same update, its time, and whether its parameters are the same bits.
+    # The max-pool as flax has it: the same update, its time, and whether its parameters are the same bits.
     reference, *_ = update_fn(state, batch, 1)
-    original = algo.nn.max_pool
-    algo.nn.max_pool = strided_max_pool
+    original = algo.max_pool
+    algo.max_pool = flax_max_pool
     try:
-        strided_update = algo.make_update(args, cfg, networks)
-        strided, *_ = strided_update(state, batch, 1)
+        flax_update = algo.make_update(args, cfg, networks)
+        flax_state, *_ = flax_update(state, batch, 1)
         same = jax.tree.map(
-            lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), reference.params, strided.params
+            lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), reference.params, flax_state.params
         )
         diff = jax.tree.map(
-            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), reference.params, strided.params
+            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), reference.params, flax_state.params
         )
-        update_fn = strided_update
+        update_fn = flax_update
         states[0] = state
         first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
     finally:
-        algo.nn.max_pool = original
+        algo.max_pool = original
     leaves = jax.tree.leaves(same)
-    report["strided max-pool update"] = dict(
+    report["update, flax max-pool"] = dict(
         first_s=first_s, median_s=update_s, params_bitwise_equal=all(leaves), max_abs_diff=max(jax.tree.leaves(diff))
     )
     save()
