@@ -4,10 +4,13 @@ user starts it."""
 
 import ast
 import dataclasses
+import functools
 import os
 import threading
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
@@ -279,6 +282,30 @@ def test_environment_threads_share_the_cpus(algo):
         tyro.cli(script.Args, args=["--env-id", "CartPole-v1"]), 8, 0, **script.env_threads(args, 1, list(range(16)))
     )
     assert envs.config["num_threads"] == 4 and envs.config["thread_affinity_offset"] == 4
+
+
+def flax_max_pool(x):  # the ResNet's before 2026-11-26: its gradient is XLA's select-and-scatter
+    return nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+
+
+def test_the_resnet_max_pool_is_flaxs_bit_for_bit_on_a_cpu():
+    """The ResNet's max-pool (strided slices, no scatter in its gradient: fast with deterministic GPU ops) gives what
+    flax's nn.max_pool gives, values and gradients, to the bit on a CPU: at ties too (the gradient goes to the first
+    maximum), on the ResNet's three sizes (even and odd), so CPU runs are those before it replaced flax's."""
+    script = load_script("ppo")
+    rng = np.random.default_rng(0)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def gradient(pool, x, weights):
+        return jax.grad(lambda x: jnp.sum(jnp.tanh(pool(x) * weights)))(x)
+
+    for size, channels in [(84, 16), (42, 32), (21, 32)]:
+        x = np.round(rng.normal(size=(3, size, size, channels)) * 2).astype(np.float32) / 2  # many ties
+        weights = rng.normal(size=(3, (size + 1) // 2, (size + 1) // 2, channels)).astype(np.float32)
+        ours, theirs = jax.jit(script.max_pool)(x), jax.jit(flax_max_pool)(x)
+        assert ours.shape == theirs.shape and np.array_equal(ours, theirs)
+        ours, theirs = gradient(script.max_pool, x, weights), gradient(flax_max_pool, x, weights)
+        assert np.count_nonzero(theirs) and np.array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("algo", POLICY_GRADIENT)
