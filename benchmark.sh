@@ -35,6 +35,9 @@
 #   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
 #                            kinds each from a seeded schedule, every invariant checked; figures in
 #                            docs/results/soak/soak.{json,md} (~40 minutes on 2 CPU cores)
+#   soak-slurm               the same soak with the run as a SLURM job (cleanba/launch.py --slurm, its template's
+#                            --requeue) on a one-node cluster started here (root, slurm-wlm and munge, as setup.sh
+#                            installs them); figures in docs/results/soak/soak_slurm.{json,md}
 #   gpu-throughput           on this machine's GPU: the throughput benchmark at the papers' Atari defaults (PPO,
 #                            IMPALA and PQN, synchronous and Cleanba, a0-l0) against EnvPool alone on its cores (~12
 #                            min on an H100); figures in results/gpu_throughput.json
@@ -232,6 +235,8 @@ case "$grid" in
   # --8<-- [end:procgen]
   soak)
     $PYTHON tests/soak.py --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
+  soak-slurm)
+    $PYTHON tests/soak.py --slurm --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak-slurm}" --out docs/results/soak "$@" ;;
   gpu-throughput)
     mkdir -p results
     $PYTHON tests/benchmarks/throughput.py --configs atari --out results/gpu_throughput.json "$@" ;;

@@ -19,6 +19,7 @@ from helpers import (
     script_env,
     trained,
 )
+from slurm_cluster import missing_tools, slurm_cluster
 
 # The tests' own process checks bad input and --help in-process, on three CPU devices like the layouts the
 # scripts run with in subprocesses (set before JAX starts its backend).
@@ -163,3 +164,15 @@ def lstm_runs(algo, tmp_path_factory) -> dict[str, Run]:
         make = trained(*LSTM_8_ENVS, *layout, num_devices=3, algo=algo)
         runs[name] = made_once(tmp_path_factory, f"lstm-{name}-{algo}", make)
     return runs
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node SLURM cluster on this machine (tests/slurm_cluster.py) for a module's tests marked slurm."""
+    if missing_tools():
+        pytest.fail(
+            f"the SLURM tests need {', '.join(missing_tools())}: apt-get install slurm-wlm munge "
+            "(setup.sh does it when run as root); deselect them with -m 'not slurm'"
+        )
+    with slurm_cluster(str(tmp_path_factory.mktemp("slurm"))) as env:
+        yield env

@@ -33,6 +33,7 @@ SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
+FirstJobId={first_job_id}
 # Declare more CPUs than the machine has so that a 2-task job and an array fit at once.
 SlurmdParameters=config_overrides
 NodeName={host} CPUs={cpus} RealMemory=4000 State=UNKNOWN
@@ -75,15 +76,22 @@ def slurm_cluster(root: str, cpus: int = 4):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     host = socket.gethostname()
     conf = os.path.join(root, "slurm.conf")
-    with open(conf, "w") as f:
-        f.write(SLURM_CONF.format(host=host, root=root, cpus=cpus, ctld_port=free_port(), d_port=free_port()))
     env = dict(os.environ, SLURM_CONF=conf)
 
     # munged in its usual place (/run/munge): slurm's auth/munge plugin finds it there. One that is
     # already running (an earlier cluster on this machine) is reused. Test workers that set up their clusters
     # at the same moment take turns: a second munged started beside the first refuses the socket and exits 1.
-    with open(os.path.join(tempfile.gettempdir(), "cleanba-test-munged.lock"), "w") as lock:
+    with open(os.path.join(tempfile.gettempdir(), "cleanba-test-munged.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # Each cluster's job ids start 64 after the last one's (modulo 4096): jax.distributed derives a job's
+        # coordinator port from its id (id % 4096 + 61440), so clusters running at once must not reuse ids.
+        lock.seek(0)
+        clusters = len(lock.read())
+        lock.write("x")
+        lock.flush()
+        ports = dict(ctld_port=free_port(), d_port=free_port(), first_job_id=1 + 64 * (clusters % 64))
+        with open(conf, "w") as f:
+            f.write(SLURM_CONF.format(host=host, root=root, cpus=cpus, **ports))
         if not munge_answers():
             munge = pwd.getpwnam("munge")
             os.makedirs("/run/munge", exist_ok=True)

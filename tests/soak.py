@@ -2,6 +2,15 @@
 again after each (as a SLURM requeue would, or a user), until it finishes; then what it wrote is checked.
 
     .venv/bin/python tests/soak.py --algo ppo --faults 40 --seed 1 --dir /tmp/soak --out docs/results/soak
+    .venv/bin/python tests/soak.py --slurm ...   # the run as a SLURM job, on a one-node cluster started here
+
+Locally, each attempt's 2 processes start here, each in a session of its own. With --slurm the run is what users
+submit: cleanba/launch.py --slurm's batch job, 2 tasks under srun (tests/soak_task.py starts each, with the
+attempt's fault on process 0, and keeps its output); the template requeues it after a preemption (143) and a lost
+process (75, 137; 3 restarts at most), the soak lets the requeued job start at once (SLURM holds it back two
+minutes), and submits the job again once the template gives up (after Ctrl-C, or the 3 restarts), as a user would.
+A preemption is scancel --signal=TERM to the job's steps, as SLURM's own; the checks are the same, plus the job's
+requeue where the template says.
 
 The faults (each at a random moment: after 1 to 2 checkpoint intervals of new updates, or at a checkpoint):
     preempt             SIGTERM to every process of the job (SLURM's preemption)
@@ -28,6 +37,7 @@ A tool of the tests (tests/test_failures.py runs a short soak) and of benchmark.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,6 +54,7 @@ from typing import NamedTuple
 import flax.serialization
 import numpy as np
 from helpers import REPO, SCRIPTS, free_port, read_scalars, session_processes
+from slurm_cluster import slurm_cluster
 
 # TensorBoard's reader warns of each purge a resume made: expected here, where every attempt's resume purges.
 logging.getLogger("tensorboard").setLevel(logging.ERROR)
@@ -157,6 +168,15 @@ class Processes:
             if proc.poll() is None:
                 os.killpg(proc.pid, signum)
 
+    def ended(self) -> bool:  # a process of the attempt has exited
+        return any(proc.poll() is not None for proc in self.procs)
+
+    def kill(self, rank: int):  # the process and its supervisor: a lost node
+        os.killpg(self.procs[rank].pid, signal.SIGKILL)
+
+    def wait_for_rank_0(self):
+        self.procs[0].wait(timeout=ATTEMPT_TIMEOUT)
+
     def wait(self, timeout: float) -> list[int]:
         deadline = time.time() + timeout
         for proc in self.procs:
@@ -178,11 +198,162 @@ class Processes:
         return [proc.returncode for proc in self.procs]
 
 
+class SlurmAttempt:
+    """One start of the SLURM job's tasks (tests/soak_task.py runs each): to the soak what Processes is locally. A
+    task's processes (supervisor and script; not the wrapper, which records their status) carry the attempt's name."""
+
+    def __init__(self, job, name: str, log_prefix: str):
+        self.job = job
+        self.name = name
+        self.log_prefix = log_prefix
+        self.files = os.path.join(job.attempts, name)
+
+    def read(self, rank: int, kind: str) -> list[str]:
+        path = f"{self.files}.rank{rank}.{kind}"
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return f.readlines()
+
+    @property
+    def stdout(self) -> list[list[str]]:
+        return [self.read(rank, "out") for rank in range(PROCESSES)]
+
+    @property
+    def stderr(self) -> list[list[str]]:
+        return [self.read(rank, "err") for rank in range(PROCESSES)]
+
+    def status(self, rank: int) -> int | None:
+        lines = self.read(rank, "status")
+        return int(lines[0]) if lines else None
+
+    def started(self) -> bool:
+        return any(line.startswith("run ") for line in self.read(0, "out"))
+
+    def ended(self) -> bool:
+        return any(self.status(rank) is not None for rank in range(PROCESSES))
+
+    def pids(self, rank: int | None = None) -> list[int]:
+        marker = f"CLEANBA_SOAK_ATTEMPT={self.name}".encode()
+        task = f"SLURM_PROCID={rank}".encode()
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+            except OSError:  # it exited meanwhile
+                continue
+            if marker in environ and (rank is None or task in environ):
+                found.append(int(pid))
+        return found
+
+    def signal_all(self, signum):
+        if signum == signal.SIGKILL:
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            return
+        # SLURM's preemption: the signal to the job's steps (scancel's default), the batch script sees srun's status.
+        scancel = ["scancel", f"--signal={signal.Signals(signum).name[3:]}", self.job.job_id]
+        subprocess.run(scancel, env=self.job.env, check=True, capture_output=True)
+
+    def kill(self, rank: int):  # a lost node: the task's supervisor and script
+        for pid in self.pids(rank):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def wait_for_rank_0(self):
+        deadline = time.time() + ATTEMPT_TIMEOUT
+        while self.status(0) is None:
+            assert time.time() < deadline, f"{self.log_prefix}: process 0 still runs"
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.time() + timeout
+        while any(self.status(rank) is None for rank in range(PROCESSES)):
+            if time.time() > deadline:
+                self.signal_all(signal.SIGKILL)
+                raise AssertionError(f"{self.log_prefix}: a task still runs after {timeout} s")
+            time.sleep(0.1)
+        left = self.pids()
+        assert not left, f"{self.log_prefix}: processes left running: {left}"
+        with open(f"{self.log_prefix}.log", "w") as f:
+            for rank in range(PROCESSES):
+                f.write(f"== process {rank}: exit {self.status(rank)}\n-- stdout\n")
+                f.writelines(self.stdout[rank])
+                f.write("-- stderr\n")
+                f.writelines(self.stderr[rank])
+        return [self.status(rank) for rank in range(PROCESSES)]
+
+
+class SlurmJob:
+    """The soak's run as users run it on SLURM: cleanba/launch.py --slurm's batch job (its template: --requeue, and a
+    requeue of its own after exit 143, or 75/137 up to 3 restarts), 2 tasks of tests/soak_task.py. Each attempt is
+    a start of the job: the first, a requeue (SLURM holds a requeued job back two minutes; the soak lets it start), or,
+    once the template gave up requeuing, a new submission, as a user would make."""
+
+    FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+    def __init__(self, env: dict, work: str, directory: str, algo: str, flags: list[str], seed: int):
+        self.env = env
+        self.work = work
+        self.attempts = os.path.join(directory, "attempts")
+        self.logs = os.path.join(directory, "slurm-logs")
+        os.makedirs(self.attempts, exist_ok=True)
+        task = [sys.executable, os.path.join(REPO, "tests", "soak_task.py"), self.attempts]
+        task += [sys.executable, SCRIPTS[algo], *flags, "--distributed"]
+        grid = ["--slurm", "--ntasks-per-node", str(PROCESSES), "--env-ids", "CartPole-v1", "--seeds", str(seed)]
+        self.submit = [sys.executable, os.path.join(REPO, "cleanba", "launch.py"), *grid, "--log-dir", self.logs]
+        self.submit += ["--", *task]
+        self.job_id = None
+        self.restarts = 0  # of the job: its SLURM_RESTART_COUNT
+        self.submissions = 0
+        self.requeues = 0
+
+    def state(self) -> str:  # "" once the job has left the queue
+        query = ["squeue", "--noheader", "--jobs", self.job_id, "--states", "all", "--format", "%T"]
+        for _ in range(30):  # slurmctld busy: ask again
+            result = subprocess.run(query, env=self.env, capture_output=True, text=True)
+            if result.returncode == 0 or "Invalid job id" in result.stderr:
+                return result.stdout.strip()
+            time.sleep(1)
+        raise AssertionError(f"squeue failed: {result.stderr}")
+
+    def start(self, log_prefix: str, rank_0_fault=None, file_limit=None) -> SlurmAttempt:
+        name = os.path.basename(log_prefix)
+        with open(os.path.join(self.attempts, "attempt.json.tmp"), "w") as f:
+            json.dump(dict(name=name, rank_0_fault=rank_0_fault, file_limit=file_limit), f)
+        os.replace(os.path.join(self.attempts, "attempt.json.tmp"), os.path.join(self.attempts, "attempt.json"))
+        if self.job_id is None or self.state() in self.FINAL | {""}:
+            submitted = subprocess.run(self.submit, cwd=self.work, env=self.env, capture_output=True, text=True)
+            self.job_id = re.search(r"submitted array job (\d+)", submitted.stdout).group(1)
+            self.restarts = 0
+            self.submissions += 1
+        else:  # requeued: once its old credential is revoked (slurmd refuses a start within that second)
+            time.sleep(2)
+            update = ["scontrol", "update", f"JobId={self.job_id}_0", "StartTime=now"]
+            subprocess.run(update, env=self.env, check=True, capture_output=True)
+            self.restarts += 1
+        return SlurmAttempt(self, name, log_prefix)
+
+    def settle(self, fault: str | None, where: str):
+        """After an attempt: the job is requeued (pending) or over, as the template says for the fault's status."""
+        requeued = fault == "preempt" or (
+            fault in ("lose-process", "kill-in-checkpoint", "failed-write") and self.restarts < 3
+        )
+        deadline = time.time() + 60
+        while (state := self.state()) not in (self.FINAL | {"", "PENDING"}):
+            assert time.time() < deadline, f"{where}: the job is {state}"
+            time.sleep(0.2)
+        assert (state == "PENDING") == requeued, f"{where}: the job is {state or 'gone'} ({self.restarts} restarts)"
+        self.requeues += requeued
+
+
 def wait_for_update(processes: Processes, run_dir: str, update: int, timeout: float = ATTEMPT_TIMEOUT):
     """Blocks until this attempt has logged `update` (or a process has exited, which fails the soak)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if any(proc.poll() is not None for proc in processes.procs):
+        if processes.ended():
             raise AssertionError(f"{processes.log_prefix}: a process exited before update {update}")
         if processes.started() and (logged := updates_logged(run_dir)) and logged[-1] >= update:
             return
@@ -308,9 +479,10 @@ def next_faults(rng, run_dir: str, remaining: int, schedule: list[str] | None) -
     return corruption, str(rng.choice(possible)) if remaining else None
 
 
-def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] | None = None) -> dict:
+def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] | None = None, slurm=None) -> dict:
     """Runs the soak in `directory` (work/: the run's working directory; logs/: each attempt's output) and checks it;
-    returns its figures. `schedule`: the faults in order (else `faults` of them drawn at random)."""
+    returns its figures. `schedule`: the faults in order (else `faults` of them drawn at random). `slurm`: the
+    environment of a SLURM cluster's commands, to run the job there (else the processes start here)."""
     rng = np.random.default_rng(seed)
     interval = 2
     # Enough for every fault to land before the end: each lands within two intervals of where its attempt starts, and
@@ -328,6 +500,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     lost = []  # (the previous attempt's fault, a corruption after it, updates lost, the policy's bound)
     started = time.time()
     schedule = list(schedule) if schedule else None
+    job = SlurmJob(slurm, work, directory, algo, flags, seed) if slurm else None
     while True:
         done = sum(bool(a.fault) + bool(a.corrupted) for a in attempts)
         corrupted, kind = next_faults(rng, run_dir, faults - done, schedule)
@@ -339,20 +512,22 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
             raise AssertionError(f"the run ends before its {len(attempts) + 1}th fault ({kind})")
         prefix = os.path.join(logs, f"attempt-{len(attempts) + 1:03d}-{kind or 'end'}")
         begun = time.time()
-        processes = Processes(work, algo, flags, prefix, **options)
+        processes = job.start(prefix, **options) if job else Processes(work, algo, flags, prefix, **options)
         victim = None
         if kind in ("preempt", "interrupt", "lose-process"):
             wait_for_update(processes, run_dir, at)
             time.sleep(float(rng.uniform(0, 0.2)))  # somewhere inside the next update
             if kind == "lose-process":
                 victim = int(rng.integers(0, PROCESSES))
-                os.killpg(processes.procs[victim].pid, signal.SIGKILL)
+                processes.kill(victim)
             else:
                 processes.signal_all(signal.SIGTERM if kind == "preempt" else signal.SIGINT)
         elif kind == "kill-in-checkpoint":
-            processes.procs[0].wait(timeout=ATTEMPT_TIMEOUT)
+            processes.wait_for_rank_0()
             processes.signal_all(signal.SIGKILL)  # everything else of the job goes with it
         codes = processes.wait(ATTEMPT_TIMEOUT)
+        if job:
+            job.settle(kind, prefix)
         resumed = re.findall(r"^resuming from \S+ after update (\d+) ", "".join(processes.stdout[0]), re.M)
         resumed_from = int(resumed[0]) if resumed else 0
         assert resumed_from == start, f"{prefix}: resumed from update {resumed_from}, not {start}, the newest intact"
@@ -376,6 +551,9 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     kinds = [a.fault for a in attempts if a.fault] + [a.corrupted for a in attempts if a.corrupted]
     return dict(
         algo=algo,
+        launcher="SLURM (cleanba/launch.py --slurm)" if job else "local",
+        submissions=job.submissions if job else None,
+        requeues=job.requeues if job else None,
         seed=seed,
         updates=updates,
         checkpoint_interval=interval,
@@ -435,12 +613,15 @@ def replay(algo: str, directory: str, flags: list[str], name: str, resume_points
 
 def markdown(results: list[dict]) -> str:
     """Two tables: each script's soak, then the updates lost to each kind of fault against the policy's bound."""
-    lines = ["| script | faults | attempts | updates | wall time (chaotic run, replay) | by kind |"]
-    lines.append("|---|---|---|---|---|---|")
+    lines = [
+        "| script | faults | attempts | SLURM job: requeued, submitted | updates | wall time (run, replay) | by kind |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|")
     for r in results:
         by_kind = ", ".join(f"{kind} {count}" for kind, count in r["faults_by_kind"].items())
         wall = f"{r['chaotic_seconds'] / 60:.1f} min, {r['replay_seconds'] / 60:.1f} min"
-        lines.append(f"| {r['algo']} | {r['faults']} | {r['attempts']} | {r['updates']} | {wall} | {by_kind} |")
+        job = f"{r['requeues']}, {r['submissions']}" if r.get("submissions") else "- (local)"
+        lines.append(f"| {r['algo']} | {r['faults']} | {r['attempts']} | {job} | {r['updates']} | {wall} | {by_kind} |")
     lines += ["", "| script | fault (then a corrupt checkpoint) | times | updates lost: max (mean) | bound |"]
     lines.append("|---|---|---|---|---|")
     for r in results:
@@ -459,19 +640,23 @@ def main():
     parser.add_argument("--faults", type=int, default=40, help="faults per script, drawn from the kinds above")
     parser.add_argument("--seed", type=int, default=1, help="the schedule's seed and the run's")
     parser.add_argument("--dir", required=True, help="where the runs and each attempt's output go")
-    parser.add_argument("--out", default=None, help="write soak.json and soak.md here")
+    parser.add_argument("--out", default=None, help="write soak.json and soak.md here (--slurm: soak_slurm.*)")
+    parser.add_argument("--slurm", action="store_true", help="run the job on a one-node SLURM cluster started here")
+    parser.add_argument("--schedule", nargs="+", choices=FAULTS, default=None, help="these faults in order instead")
     args = parser.parse_args()
     results = []
-    for algo in args.algo:
-        result = soak(algo, os.path.join(args.dir, algo), args.faults, args.seed)
-        print(json.dumps(result), flush=True)
-        results.append(result)
+    with slurm_cluster(os.path.join(args.dir, "slurm-cluster")) if args.slurm else contextlib.nullcontext() as env:
+        for algo in args.algo:
+            result = soak(algo, os.path.join(args.dir, algo), args.faults, args.seed, args.schedule, slurm=env)
+            print(json.dumps(result), flush=True)
+            results.append(result)
     print(markdown(results))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "soak.json"), "w") as f:
+        name = "soak_slurm" if args.slurm else "soak"
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(results, f, indent=2)
-        with open(os.path.join(args.out, "soak.md"), "w") as f:
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(markdown(results))
 
 

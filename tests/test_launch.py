@@ -27,7 +27,6 @@ from helpers import (
     run_dirs,
     run_processes,
 )
-from slurm_cluster import missing_tools, slurm_cluster
 
 SHORT = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
 
@@ -46,17 +45,6 @@ def tool(name: str, cwd, *args: str, env=None, timeout=600) -> subprocess.Comple
     args = [word for arg in args for word in (arg.split() if isinstance(arg, str) else arg)]
     command = [sys.executable, os.path.join(REPO, "cleanba", f"{name}.py"), *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    if missing_tools():
-        pytest.fail(
-            f"the SLURM tests need {', '.join(missing_tools())}: apt-get install slurm-wlm munge "
-            "(setup.sh does it when run as root); deselect them with -m 'not slurm'"
-        )
-    with slurm_cluster(str(tmp_path_factory.mktemp("slurm"))) as env:
-        yield env
 
 
 @pytest.fixture(scope="session")

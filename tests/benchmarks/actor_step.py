@@ -13,9 +13,10 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
    `act` fused into one jitted call per step;
 3. both loops again while a learner thread runs the script's update on the actors' first batch without pause, as
    the Cleanba architecture does on a single device (the device then runs the learner's and the actors' programs);
-4. the learner's update alone, with the ResNet's max-pools as the script has them (the maximum of each window's 9
-   strided slices, no scatter in its gradient) and as flax's nn.max_pool (XLA's select-and-scatter in its gradient,
-   slow with deterministic GPU ops), and whether the two give the same parameters bit for bit (on a CPU they do).
+4. the learner's update alone, as the script has it, then with a part replaced (VARIANTS): the ResNet's max-pool by
+   flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with deterministic GPU ops), the categorical's
+   log-probability taken by a mask instead of take_along_axis (a scatter in its gradient); the time of each, and
+   whether it gives the same parameters bit for bit (on a CPU both do).
 
 The first figures (docs/results/gpu/actor_step_impala_*.md) came from this file's first version (commit bfeecc9),
 when the script's ResNet had flax's max-pool and the variant was the strided one.
@@ -32,6 +33,7 @@ import time
 import envpool
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tyro
 
@@ -162,6 +164,32 @@ def flax_max_pool(x):
     return nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
 
 
+def with_flax_max_pool(algo):  # returns what undoes it
+    original = algo.max_pool
+    algo.max_pool = flax_max_pool
+    return lambda: setattr(algo, "max_pool", original)
+
+
+def one_hot_log_prob_and_entropy(self, action):
+    """The categorical's log-probability picked by a mask, not take_along_axis (whose gradient is a scatter)."""
+    log_probs = jax.nn.log_softmax(self.logits)
+    chosen = action[..., None] == jnp.arange(log_probs.shape[-1])
+    return jnp.sum(jnp.where(chosen, log_probs, 0.0), axis=-1), -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+def with_one_hot_log_prob(algo):  # returns what undoes it (PQN has no categorical: nothing to change)
+    if not hasattr(algo, "Categorical"):
+        return lambda: None
+    original = algo.Categorical.log_prob_and_entropy
+    algo.Categorical.log_prob_and_entropy = one_hot_log_prob_and_entropy
+    return lambda: setattr(algo.Categorical, "log_prob_and_entropy", original)
+
+
+# The learner's update with a part replaced: what each costs with deterministic GPU ops, and whether it gives the
+# same bits (on a CPU both do).
+VARIANTS = [("flax max-pool", with_flax_max_pool), ("one-hot log-probability", with_one_hot_log_prob)]
+
+
 LOOPS = [
     ("two calls", False, False),
     ("fused", True, False),
@@ -187,7 +215,7 @@ def markdown(report: dict) -> str:
             ms = " | ".join(f"{r['ms_per_step'][p]:.2f}" for p in ["recv", "observe", "act", "action_wait", "send"])
             learner = f"{r['update_s']:.3f} ({r['updates']})" if r.get("update_s") else "-"
             lines.append(f"| {name} | {r['sps']:,.0f} | {r['sps'] / report['env_alone_sps']:.2f} | {ms} | {learner} |")
-    for name in ["update", "update, flax max-pool"]:
+    for name in ["update", *[f"update, {variant}" for variant, _ in VARIANTS]]:
         if name in report:
             r = report[name]
             same = ""
@@ -254,39 +282,32 @@ def main():
     report["update"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
     save()
     pools = pools_of(algo, args)
-    for name, fused, with_learner in [
-        ("two calls", False, False),
-        ("fused", True, False),
-        ("two calls + learner", False, True),
-        ("fused + learner", True, True),
-    ]:
+    for name, fused, with_learner in LOOPS:
         report[name] = actor_loops(
             algo, args, networks, pools, params, device, opts.seconds, fused, learner if with_learner else None
         )
         save()
-    # The max-pool as flax has it: the same update, its time, and whether its parameters are the same bits.
+    # Each variant: the same update, its time, and whether its parameters are the same bits as the script's.
     reference, *_ = update_fn(state, batch, 1)
-    original = algo.max_pool
-    algo.max_pool = flax_max_pool
-    try:
-        flax_update = algo.make_update(args, cfg, networks)
-        flax_state, *_ = flax_update(state, batch, 1)
-        same = jax.tree.map(
-            lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), reference.params, flax_state.params
+    script_update = update_fn
+    for name, patch in VARIANTS:
+        restore = patch(algo)
+        try:
+            update_fn = algo.make_update(args, cfg, networks)
+            variant, *_ = update_fn(state, batch, 1)
+            states[0] = state
+            first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
+        finally:
+            restore()
+            update_fn = script_update
+        pairs = list(zip(jax.tree.leaves(reference.params), jax.tree.leaves(variant.params), strict=True))
+        report[f"update, {name}"] = dict(
+            first_s=first_s,
+            median_s=update_s,
+            params_bitwise_equal=all(np.array_equal(a, b) for a, b in pairs),
+            max_abs_diff=max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in pairs),
         )
-        diff = jax.tree.map(
-            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), reference.params, flax_state.params
-        )
-        update_fn = flax_update
-        states[0] = state
-        first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
-    finally:
-        algo.max_pool = original
-    leaves = jax.tree.leaves(same)
-    report["update, flax max-pool"] = dict(
-        first_s=first_s, median_s=update_s, params_bitwise_equal=all(leaves), max_abs_diff=max(jax.tree.leaves(diff))
-    )
-    save()
+        save()
     print(markdown(report))
 
 
