@@ -124,6 +124,16 @@ def limiting_file_size(limit: int):
     return set_limit
 
 
+def write_log(log_prefix: str, codes: list[int], stdout: list[list[str]], stderr: list[list[str]]):
+    """<log_prefix>.log: each process's exit status and output, for a look at an attempt after the soak."""
+    with open(f"{log_prefix}.log", "w") as f:
+        for rank in range(PROCESSES):
+            f.write(f"== process {rank}: exit {codes[rank]}\n-- stdout\n")
+            f.writelines(stdout[rank])
+            f.write("-- stderr\n")
+            f.writelines(stderr[rank])
+
+
 class Processes:
     """The run's processes of one attempt, each in a session of its own, their output kept line by line."""
 
@@ -189,13 +199,9 @@ class Processes:
             reader.join(timeout=10)
         left = [pid for proc in self.procs for pid in session_processes(proc.pid)]
         assert not left, f"{self.log_prefix}: processes left running: {left}"
-        with open(f"{self.log_prefix}.log", "w") as f:
-            for rank in range(PROCESSES):
-                f.write(f"== process {rank}: exit {self.procs[rank].returncode}\n-- stdout\n")
-                f.writelines(self.stdout[rank])
-                f.write("-- stderr\n")
-                f.writelines(self.stderr[rank])
-        return [proc.returncode for proc in self.procs]
+        codes = [proc.returncode for proc in self.procs]
+        write_log(self.log_prefix, codes, self.stdout, self.stderr)
+        return codes
 
 
 class SlurmAttempt:
@@ -277,13 +283,9 @@ class SlurmAttempt:
             time.sleep(0.1)
         left = self.pids()
         assert not left, f"{self.log_prefix}: processes left running: {left}"
-        with open(f"{self.log_prefix}.log", "w") as f:
-            for rank in range(PROCESSES):
-                f.write(f"== process {rank}: exit {self.status(rank)}\n-- stdout\n")
-                f.writelines(self.stdout[rank])
-                f.write("-- stderr\n")
-                f.writelines(self.stderr[rank])
-        return [self.status(rank) for rank in range(PROCESSES)]
+        codes = [self.status(rank) for rank in range(PROCESSES)]
+        write_log(self.log_prefix, codes, self.stdout, self.stderr)
+        return codes
 
 
 class SlurmJob:
