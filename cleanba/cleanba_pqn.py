@@ -682,7 +682,6 @@ class ConfigError(ValueError):
 DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
 CHECKPOINT_NOT_WRITTEN = 74  # EX_IOERR (sysexits.h): an input/output error
-# --capture-video's companion process (a tool beside the scripts, which never import it).
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")  # --capture-video's recorder
 
 

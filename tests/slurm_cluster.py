@@ -44,7 +44,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
 def missing_tools() -> list[str]:
     return [
         tool
-        for tool in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
+        for tool in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel")
         if shutil.which(tool) is None
     ]
 
@@ -89,9 +89,9 @@ def slurm_cluster(root: str, cpus: int = 4):
         clusters = len(lock.read())
         lock.write("x")
         lock.flush()
-        ports = dict(ctld_port=free_port(), d_port=free_port(), first_job_id=1 + 64 * (clusters % 64))
+        settings = dict(ctld_port=free_port(), d_port=free_port(), first_job_id=1 + 64 * (clusters % 64))
         with open(conf, "w") as f:
-            f.write(SLURM_CONF.format(host=host, root=root, cpus=cpus, **ports))
+            f.write(SLURM_CONF.format(host=host, root=root, cpus=cpus, **settings))
         if not munge_answers():
             munge = pwd.getpwnam("munge")
             os.makedirs("/run/munge", exist_ok=True)

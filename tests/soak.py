@@ -240,7 +240,7 @@ class SlurmAttempt:
         return any(self.status(rank) is not None for rank in range(PROCESSES))
 
     def pids(self, rank: int | None = None) -> list[int]:
-        marker = f"CLEANBA_SOAK_ATTEMPT={self.name}".encode()
+        marker = f"CLEANBA_SOAK_ATTEMPT={self.files}".encode()  # this soak's attempt: its directory and name
         task = f"SLURM_PROCID={rank}".encode()
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -299,8 +299,8 @@ class SlurmJob:
     def __init__(self, env: dict, work: str, directory: str, algo: str, flags: list[str], seed: int):
         self.env = env
         self.work = work
-        self.attempts = os.path.join(directory, "attempts")
-        self.logs = os.path.join(directory, "slurm-logs")
+        self.attempts = os.path.abspath(os.path.join(directory, "attempts"))  # the tasks run in `work`
+        self.logs = os.path.abspath(os.path.join(directory, "slurm-logs"))
         os.makedirs(self.attempts, exist_ok=True)
         task = [sys.executable, os.path.join(REPO, "tests", "soak_task.py"), self.attempts]
         task += [sys.executable, SCRIPTS[algo], *flags, "--distributed"]
@@ -328,13 +328,14 @@ class SlurmJob:
         os.replace(os.path.join(self.attempts, "attempt.json.tmp"), os.path.join(self.attempts, "attempt.json"))
         if self.job_id is None or self.state() in self.FINAL | {""}:
             submitted = subprocess.run(self.submit, cwd=self.work, env=self.env, capture_output=True, text=True)
+            assert submitted.returncode == 0, f"{log_prefix}: the job was not submitted: {submitted.stderr}"
             self.job_id = re.search(r"submitted array job (\d+)", submitted.stdout).group(1)
             self.restarts = 0
             self.submissions += 1
-        else:  # requeued: once its old credential is revoked (slurmd refuses a start within that second)
+        else:  # requeued, and held (settle): now, once its old credential is revoked (a start within that second fails)
             time.sleep(2)
-            update = ["scontrol", "update", f"JobId={self.job_id}_0", "StartTime=now"]
-            subprocess.run(update, env=self.env, check=True, capture_output=True)
+            for change in (["update", f"JobId={self.job_id}_0", "StartTime=now"], ["release", f"{self.job_id}_0"]):
+                subprocess.run(["scontrol", *change], env=self.env, check=True, capture_output=True)
             self.restarts += 1
         return SlurmAttempt(self, name, log_prefix)
 
@@ -348,10 +349,12 @@ class SlurmJob:
             assert time.time() < deadline, f"{where}: the job is {state}"
             time.sleep(0.2)
         assert (state == "PENDING") == requeued, f"{where}: the job is {state or 'gone'} ({self.restarts} restarts)"
+        if requeued:  # held until start(): SLURM's own hold of a requeued job (~2 minutes) may be over before then
+            subprocess.run(["scontrol", "hold", f"{self.job_id}_0"], env=self.env, check=True, capture_output=True)
         self.requeues += requeued
 
 
-def wait_for_update(processes: Processes, run_dir: str, update: int, timeout: float = ATTEMPT_TIMEOUT):
+def wait_for_update(processes: "Processes | SlurmAttempt", run_dir: str, update: int, timeout: float = ATTEMPT_TIMEOUT):
     """Blocks until this attempt has logged `update` (or a process has exited, which fails the soak)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -384,7 +387,7 @@ def one_line(lines: list[str], pattern: str, where: str) -> re.Match:
     return match
 
 
-def check_lost_line(processes: Processes, survivor: int, lost: int, run_dir: str, name: str):
+def check_lost_line(processes: "Processes | SlurmAttempt", survivor: int, lost: int, run_dir: str, name: str):
     """The survivor's one line names the lost process and the last checkpoint it knows to be written: process 0 the
     newest; another process may not know of one process 0 wrote at the update it was lost (the line's update)."""
     pattern = rf"error: lost process {lost} \(host \S+\) after update (\d+); the last checkpoint \(runs/{name}/"
@@ -396,7 +399,7 @@ def check_lost_line(processes: Processes, survivor: int, lost: int, run_dir: str
     assert named == newest or (survivor and named < newest == reached), f"{where}: names checkpoint {named}"
 
 
-def check_ending(fault, codes, processes: Processes, run_dir: str, name: str, at: int):
+def check_ending(fault, codes, processes: "Processes | SlurmAttempt", run_dir: str, name: str, at: int):
     """The exit statuses and lines the Failures guide documents for `fault`."""
     where = processes.log_prefix
     stdout = "".join(processes.stdout[0])
@@ -485,6 +488,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     """Runs the soak in `directory` (work/: the run's working directory; logs/: each attempt's output) and checks it;
     returns its figures. `schedule`: the faults in order (else `faults` of them drawn at random). `slurm`: the
     environment of a SLURM cluster's commands, to run the job there (else the processes start here)."""
+    directory = os.path.abspath(directory)  # the processes run in work/: a relative path would point inside it
     rng = np.random.default_rng(seed)
     interval = 2
     # Enough for every fault to land before the end: each lands within two intervals of where its attempt starts, and
@@ -649,7 +653,8 @@ def main():
     results = []
     with slurm_cluster(os.path.join(args.dir, "slurm-cluster")) if args.slurm else contextlib.nullcontext() as env:
         for algo in args.algo:
-            result = soak(algo, os.path.join(args.dir, algo), args.faults, args.seed, args.schedule, slurm=env)
+            faults = len(args.schedule) if args.schedule else args.faults  # the run's length follows from them
+            result = soak(algo, os.path.join(args.dir, algo), faults, args.seed, args.schedule, slurm=env)
             print(json.dumps(result), flush=True)
             results.append(result)
     print(markdown(results))

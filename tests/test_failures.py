@@ -353,17 +353,28 @@ def test_a_lost_process_is_reported_in_one_line(tmp_path, algo, victim, how):
     assert os.path.exists(tmp_path / checkpoint)
 
 
-@pytest.mark.slurm
-def test_a_short_soak_loses_nothing(tmp_path, slurm):
-    """A 2-process IMPALA job on SLURM, as users run it (cleanba/launch.py --slurm, the template's --requeue), hit by
-    five faults of five kinds (a lost process, a preemption, a checkpoint cut short between two attempts, a checkpoint
-    that cannot be written, Ctrl-C), requeued or submitted again after each until it finishes (tests/soak.py, whose
-    long versions benchmark.sh soak and soak-slurm run): each fault ends in its exit statuses and one line, the job is
-    requeued where the template says, nothing is left running or written outside the run directory, each attempt
-    resumes from the newest intact checkpoint, every update is logged once and the updates lost stay within the
-    checkpoint policy, and updates.jsonl equals bit for bit that of a replay stopped cleanly at the same updates."""
-    schedule = ["lose-process", "preempt", "corrupt-cut", "failed-write", "interrupt"]
+# The short soaks' faults: on SLURM (the template's requeues, and a submission after Ctrl-C), and here (the rest).
+SHORT_SOAKS = [
+    pytest.param(
+        "slurm", ["lose-process", "preempt", "corrupt-cut", "failed-write", "interrupt"], marks=pytest.mark.slurm
+    ),
+    pytest.param("local", ["kill-in-checkpoint", "lose-process", "interrupt"], marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("launcher, schedule", SHORT_SOAKS)
+def test_a_short_soak_loses_nothing(tmp_path, request, launcher, schedule):
+    """A 2-process IMPALA run hit by faults of several kinds, started again after each until it finishes (tests/soak.py,
+    whose long versions benchmark.sh soak and soak-slurm run): on SLURM as users run it (cleanba/launch.py --slurm,
+    the template's --requeue: requeued or submitted again), or by the local launcher. Each fault ends in its exit
+    statuses and one line, the job is requeued where the template says, nothing is left running or written outside
+    the run directory, each attempt resumes from the newest intact checkpoint, every update is logged once and the
+    updates lost stay within the checkpoint policy, and updates.jsonl equals bit for bit that of a replay stopped
+    cleanly at the same updates."""
+    slurm = request.getfixturevalue("slurm") if launcher == "slurm" else None
     result = soak.soak("impala", str(tmp_path), faults=len(schedule), seed=2, schedule=schedule, slurm=slurm)
     assert result["faults_by_kind"] == {kind: 1 for kind in schedule}, result
-    assert result["attempts"] == 5 and len(result["lost_updates"]) == 4, result
-    assert result["requeues"] == 3 and result["submissions"] == 2, result  # after Ctrl-C (130): submitted again
+    process_faults = [kind for kind in schedule if kind in soak.PROCESS_FAULTS]
+    assert result["attempts"] == len(process_faults) + 1 and len(result["lost_updates"]) == len(process_faults), result
+    if slurm:  # requeued after the first three; Ctrl-C (130) ends the job, which is submitted again
+        assert result["requeues"] == 3 and result["submissions"] == 2, result
