@@ -13,6 +13,9 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
    `act` fused into one jitted call per step;
 3. both loops again while a learner thread runs the script's update on the actors' first batch without pause, as
    the Cleanba architecture does on a single device (the device then runs the learner's and the actors' programs);
+   then with the learner's update dispatched one gradient step at a time, each waited for before the next, as a
+   stand-in for an update split into per-minibatch programs (a program of 1/M of the batch with one minibatch,
+   run M x epochs times): how much of the actors' wait a shorter learner program would save;
 4. the learner's update alone, as the script has it, then with a part replaced (VARIANTS): the ResNet's max-pool by
    flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with deterministic GPU ops), the categorical's
    log-probability taken by a mask instead of take_along_axis (a scatter in its gradient); the time of each, and
@@ -23,6 +26,7 @@ when the script's ResNet had flax's max-pool and the variant was the strided one
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -190,12 +194,36 @@ def with_one_hot_log_prob(algo):  # returns what undoes it (PQN has no categoric
 VARIANTS = [("flax max-pool", with_flax_max_pool), ("one-hot log-probability", with_one_hot_log_prob)]
 
 
-LOOPS = [
-    ("two calls", False, False),
-    ("fused", True, False),
-    ("two calls + learner", False, True),
-    ("fused + learner", True, True),
+LOOPS = [  # name, observe and act fused, with which learner
+    ("two calls", False, None),
+    ("fused", True, None),
+    ("two calls + learner", False, "update"),
+    ("fused + learner", True, "update"),
+    ("two calls + learner by minibatch", False, "by minibatch"),
 ]
+
+
+def minibatch_learner(algo, args, networks, state):
+    """An update as M x epochs programs of one gradient step each, run one after the other, each waited for: the
+    script's update built for 1/M of the envs with one minibatch and one epoch (the same shapes per gradient step),
+    on a batch of its own. A timing stand-in, not the script's arithmetic."""
+    pieces = args.num_minibatches * getattr(args, "update_epochs", 1)
+    small = dataclasses.replace(args, local_num_envs=args.local_num_envs // args.num_minibatches, num_minibatches=1)
+    if hasattr(args, "update_epochs"):
+        small = dataclasses.replace(small, update_epochs=1)
+    cfg = algo.derive_config(small)
+    _, first = throughput.actor_alone(algo, small, cfg, networks, state.params, rollouts=2)
+    update_fn = algo.make_update(small, cfg, networks)
+    batch = algo.collate(first, len(cfg.local_learner_devices))
+    states = [state]
+
+    def learner():
+        for _ in range(pieces):
+            new_state, losses, *_ = update_fn(states[0], batch, 1)
+            jax.block_until_ready(losses)
+            states[0] = new_state
+
+    return learner
 
 
 def markdown(report: dict) -> str:
@@ -215,13 +243,15 @@ def markdown(report: dict) -> str:
             ms = " | ".join(f"{r['ms_per_step'][p]:.2f}" for p in ["recv", "observe", "act", "action_wait", "send"])
             learner = f"{r['update_s']:.3f} ({r['updates']})" if r.get("update_s") else "-"
             lines.append(f"| {name} | {r['sps']:,.0f} | {r['sps'] / report['env_alone_sps']:.2f} | {ms} | {learner} |")
-    for name in ["update", *[f"update, {variant}" for variant, _ in VARIANTS]]:
+    for name in ["update", "update by minibatch", *[f"update, {variant}" for variant, _ in VARIANTS]]:
         if name in report:
             r = report[name]
             same = ""
             if "params_bitwise_equal" in r:
                 same = f"; parameters bitwise equal: {r['params_bitwise_equal']} (max diff {r['max_abs_diff']:.3g})"
-            first = "compiling" if name == "update" else "after one untimed call"
+            first = "after one untimed call"
+            if name in ("update", "update by minibatch"):
+                first = "compiling"
             lines.append(f"\n{name}: {r['median_s']:.4f} s per update (the first, {first}: {r['first_s']:.1f} s){same}")
     return "\n".join(lines) + "\n"
 
@@ -282,10 +312,15 @@ def main():
     first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
     report["update"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
     save()
+    learner_by_minibatch = minibatch_learner(algo, args, networks, state)
+    first_s, update_s = throughput.timed_calls(learner_by_minibatch, opts.seconds, 3)
+    report["update by minibatch"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
+    save()
+    learners = {None: None, "update": learner, "by minibatch": learner_by_minibatch}
     pools = pools_of(algo, args)
     for name, fused, with_learner in LOOPS:
         report[name] = actor_loops(
-            algo, args, networks, pools, params, device, opts.seconds, fused, learner if with_learner else None
+            algo, args, networks, pools, params, device, opts.seconds, fused, learners[with_learner]
         )
         save()
     # Each variant: the same update, its time, and whether its parameters are the same bits as the script's.
