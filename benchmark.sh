@@ -48,6 +48,10 @@
 #                            and IMPALA's --env-pools 1 and 4), and whether PPO reruns bit for bit (the same command
 #                            twice; layout-free on 1 and 2 actor threads); in docs/results/gpu/gpu_check.{json,md}
 #                            (--out DIR elsewhere; --help: the sizes, for a dry run on a CPU)
+#   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
+#                            levels, 64 envs x 256 steps) for 1M steps (4 minutes at most), then 20 episodes on its
+#                            training levels and 20 on unseen ones; in docs/results/gpu/procgen/ (flags after the
+#                            grid's name go to the script; a longer curve: MINUTES=9 ... --total-timesteps 3145728)
 #
 # The 8-GPU and 2-node grids use 120 environments (2 actor devices or 2 nodes x 2 threads x 30), which
 # split evenly over 6 learner devices (20 each, 5 per IMPALA minibatch); 128 would not.
@@ -71,8 +75,8 @@ PlunderEasy-v0 StarpilotEasy-v0"
 # Procgen's PPO (Cobbe et al., 2020): 256-step rollouts, 8 minibatches (along time) x 3 epochs, gamma 0.999, lambda
 # 0.95, entropy 0.01, clip 0.2, gradient norm 0.5, Adam 5e-4 (not annealed), rewards normalised; 25M steps.
 PROCGEN_PPO="--num-levels 200 --num-steps 256 --num-minibatches 8 --update-epochs 3 --learning-rate 5e-4
---no-anneal-lr --gamma 0.999 --gae-lambda 0.95 --ent-coef 0.01 --clip-coef 0.2 --max-grad-norm 0.5 --norm-reward True
---total-timesteps 25000000 --save-model --track"
+--no-anneal-lr --gamma 0.999 --gae-lambda 0.95 --ent-coef 0.01 --clip-coef 0.2 --max-grad-norm 0.5 --norm-reward True"
+PROCGEN_RUN="--total-timesteps 25000000 --save-model --track"
 SEEDS="1 2 3"
 launch() { $PYTHON cleanba/launch.py "$@"; }
 
@@ -224,10 +228,10 @@ case "$grid" in
   # --8<-- [start:procgen]
   procgen)
     launch --slurm --job-name procgen --log-dir launch_logs/procgen --env-ids $PROCGEN16 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
-      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_procgen --local-num-envs 32 $PROCGEN_PPO ;;
+      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_procgen --local-num-envs 32 $PROCGEN_PPO $PROCGEN_RUN ;;
   procgen-cleanba)
     launch --slurm --job-name procgen-cleanba --log-dir launch_logs/procgen-cleanba --env-ids $PROCGEN16 --seeds $SEEDS --gpus-per-task 1 --cpus-per-task 10 "$@" -- \
-      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_procgen_cleanba --local-num-envs 30 $PROCGEN_PPO ;;
+      $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_procgen_cleanba --local-num-envs 30 $PROCGEN_PPO $PROCGEN_RUN ;;
   procgen-test)
     for run in runs/*Easy-v0__cleanba_ppo_procgen*; do
       $PYTHON cleanba/evaluate.py "$run" --levels unseen --episodes 100 "$@"
@@ -244,6 +248,9 @@ case "$grid" in
     $PYTHON tests/benchmarks/learning.py --env-id Breakout-v5 --minutes 3.5 --out results/gpu_learning "$@" ;;
   gpu-check)
     $PYTHON tests/benchmarks/gpu_check.py "$@" ;;
+  gpu-procgen)
+    $PYTHON tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --minutes "${MINUTES:-4}" --evaluate 20 \
+      --out docs/results/gpu/procgen -- --local-num-envs 32 $PROCGEN_PPO --total-timesteps 1048576 --save-model "$@" ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
     [ -z "$grid" ] && exit 0 || { echo "unknown grid: $grid" >&2; exit 2; } ;;

@@ -3,18 +3,26 @@ its steps/s over the run and its episodic-return curve are reported, with a CSV 
 
     python tests/benchmarks/learning.py --env-id Breakout-v5 --minutes 3.5 --out results/learning   # a GPU
     python tests/benchmarks/learning.py --minutes 0.5 -- --local-num-envs 8 --num-steps 32            # a smoke run
+    python tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --evaluate 20 -- --num-levels 200 \
+        --total-timesteps 1048576 --save-model                                    # Procgen: train and test returns
 
 Each script runs with its defaults (the paper's Atari settings) and the flags given after `--`, in a subprocess,
 and gets SIGTERM when its budget is spent: it finishes the update in progress, checkpoints and exits, as under
 SLURM's preemption. Its TensorBoard events are then read back. Reported per script: compile time (start to the
 first update), steady steps/s (after the first two updates) and how it varied over the run (the slowest and the
 fastest tenth of the run against the median), the queue waits (the side that waits is not the bottleneck), and the
-mean episodic return of the last tenth of the logged points. A measurement, not a test: it asserts nothing.
+mean episodic return of the last tenth of the logged points. With --evaluate N, a run that finished its
+--total-timesteps within the budget and saved its model (--save-model) then plays N episodes on its training levels
+and, for a Procgen run on some levels only (--num-levels), N on levels it never saw (cleanba/evaluate.py): the train
+and test returns of Procgen's protocol. A measurement, not a test: it asserts nothing.
 """
 
 import argparse
 import csv
+import glob
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +70,40 @@ def train_for(algo: str, env_id: str, minutes: float, flags: list[str], cwd: str
     if proc.returncode not in (0, 128 + signal.SIGTERM):
         raise RuntimeError(f"{algo} exited {proc.returncode}:\n{output[-3000:]}")
     return dict(scalars=read_scalars(os.path.join(cwd, "runs", algo), wall_time=True), started=started)
+
+
+def machine() -> str:
+    """The device, CPU cores, JAX version and date (the device's name from a JAX process of its own, which exits
+    before the scripts start and leaves them the device's memory)."""
+    probe = "import jax; print(f'{jax.devices()[0].device_kind}, JAX {jax.__version__}')"
+    device = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"{device or 'device unknown'}, {len(os.sched_getaffinity(0))} CPU cores, {date}"
+
+
+def evaluate(run_dir: str, episodes: int, levels: str) -> str | None:
+    """The return (mean ± standard deviation) of `episodes` episodes of the run's saved model on its training levels
+    or on unseen ones."""
+    command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), run_dir, "--episodes", str(episodes)]
+    played = subprocess.run([*command, "--levels", levels], capture_output=True, text=True)
+    mean = re.search(r"^mean return over \d+ episodes.*: (\S+ ± \S+)$", played.stdout, re.M)
+    if played.returncode or not mean:
+        print(f"evaluate.py --levels {levels} exited {played.returncode}:\n{played.stderr[-3000:]}", flush=True)
+        return None
+    return mean.group(1)
+
+
+def evaluations(run_dir: str, episodes: int) -> dict:
+    """Train and test (unseen levels) returns of a run that saved its model; none for one that did not finish."""
+    if not glob.glob(os.path.join(run_dir, "*.cleanba_model")):
+        print(f"{run_dir}: no saved model (the budget ended the run, or no --save-model): not evaluated", flush=True)
+        return {}
+    with open(os.path.join(run_dir, "config.json")) as f:
+        some_levels = json.load(f)["args"].get("num_levels", 0) > 0
+    played = dict(eval_train=evaluate(run_dir, episodes, "train"))
+    if some_levels:
+        played["eval_unseen"] = evaluate(run_dir, episodes, "unseen")
+    return played
 
 
 def summarize(algo: str, scalars: dict, started: float) -> dict:
@@ -138,27 +180,40 @@ def main():
     parser.add_argument("--minutes", type=float, default=3.5, help="wall-clock budget of each script")
     parser.add_argument("--algos", nargs="+", choices=list(LOG_FREQUENCY), default=list(LOG_FREQUENCY))
     parser.add_argument("--out", default="learning", help="directory for learning.csv, learning.png, summary.txt")
+    parser.add_argument("--evaluate", type=int, default=0, help="episodes to play with a finished run's saved model")
     argv = sys.argv[1:]
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     os.makedirs(args.out, exist_ok=True)
+    measured_on = machine()
     results = {}
     with tempfile.TemporaryDirectory() as cwd:
         for algo in args.algos:
             results[algo] = train_for(algo, args.env_id, args.minutes, flags, cwd)
             results[algo]["summary"] = summarize(algo, results[algo]["scalars"], results[algo]["started"])
+            if args.evaluate:
+                results[algo]["summary"].update(evaluations(os.path.join(cwd, "runs", algo), args.evaluate))
     write_curves(results, args.out, args.env_id)
     header = "| script | steps | updates | steps/s | slowest / fastest tenth | compile s | learner wait | actor wait | "
-    header += "final return (last 10%) |\n|---|---|---|---|---|---|---|---|---|"
-    rows = [header]
+    header += "final return (last 10%) |"
+    columns = 9
+    if args.evaluate:
+        header += f" saved model, {args.evaluate} episodes: training levels | unseen levels |"
+        columns += 2
+    rows = [header, "|---" * columns + "|"]
     for result in results.values():
         s = result["summary"]
-        rows.append(
+        row = (
             f"| {s['algo']} | {s['steps']:,} | {s['updates']} | {s['sps']:,.0f} | {s['sps_slowest']:+.0%} / "
             f"{s['sps_fastest']:+.0%} | {s['compile_seconds']:.0f} | {s['learner_wait']:.0%} | "
             f"{s['actor_wait']:.0%} | {s['final_return']:.1f} ({s['episodes_logged']} points) |"
         )
+        if args.evaluate:
+            played = [s.get(key) for key in ("eval_train", "eval_unseen")]
+            row += "".join(f" {value or '-'} |" for value in played)
+        rows.append(row)
     summary = f"{args.env_id}, {args.minutes} min per script, flags: {' '.join(flags) or 'the defaults'}\n"
+    summary += f"{measured_on}\n\n"
     summary += "\n".join(rows)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write(summary + "\n")
