@@ -32,6 +32,9 @@
 #                            settings are those above
 #   procgen-test             each finished Procgen run under runs/ plays 100 episodes on unseen levels
 #                            (cleanba/evaluate.py --levels unseen); then aggregate.py reports train and test returns
+#   procgen-cpu              what a CPU can show of Procgen in about an hour: IMPALA on StarpilotEasy-v0 (200 levels,
+#                            16 envs x 64 steps) for 500k steps, then 20 episodes on its training levels and 20 on
+#                            unseen ones; the train and test returns in docs/results/procgen_cpu/
 #   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
 #                            kinds each from a seeded schedule, every invariant checked; figures in
 #                            docs/results/soak/soak.{json,md} (~40 minutes on 2 CPU cores)
@@ -236,6 +239,12 @@ case "$grid" in
     for run in runs/*Easy-v0__cleanba_ppo_procgen*; do
       $PYTHON cleanba/evaluate.py "$run" --levels unseen --episodes 100 "$@"
     done ;;
+  procgen-cpu)
+    $PYTHON cleanba/cleanba_impala.py --env-id StarpilotEasy-v0 --num-levels 200 --num-actor-threads 1 --local-num-envs 16 \
+      --num-steps 64 --total-timesteps 500000 --save-model --run-name procgen_cpu_starpilot "$@"
+    $PYTHON cleanba/evaluate.py runs/procgen_cpu_starpilot --levels train --episodes 20
+    $PYTHON cleanba/evaluate.py runs/procgen_cpu_starpilot --levels unseen --episodes 20
+    $PYTHON cleanba/aggregate.py runs/procgen_cpu_starpilot --out docs/results/procgen_cpu --no-profiles ;;
   # --8<-- [end:procgen]
   soak)
     $PYTHON tests/soak.py --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
