@@ -34,7 +34,8 @@
 #                            (cleanba/evaluate.py --levels unseen); then aggregate.py reports train and test returns
 #   procgen-cpu              what a CPU can show of Procgen in about an hour: IMPALA on StarpilotEasy-v0 (200 levels,
 #                            16 envs x 64 steps) for 500k steps, then 20 episodes on its training levels and 20 on
-#                            unseen ones; the train and test returns in docs/results/procgen_cpu/
+#                            unseen ones (their returns printed); aggregate.py's train and test returns (the run's last
+#                            tenth, and the unseen levels) and its curve in docs/results/procgen_cpu/
 #   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
 #                            kinds each from a seeded schedule, every invariant checked; figures in
 #                            docs/results/soak/soak.{json,md} (~40 minutes on 2 CPU cores)
@@ -52,9 +53,10 @@
 #                            twice; layout-free on 1 and 2 actor threads); in docs/results/gpu/gpu_check.{json,md}
 #                            (--out DIR elsewhere; --help: the sizes, for a dry run on a CPU)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
-#                            levels, 64 envs x 256 steps) for 1M steps (4 minutes at most), then 20 episodes on its
-#                            training levels and 20 on unseen ones; in docs/results/gpu/procgen/ (flags after the
-#                            grid's name go to the script; a longer curve: MINUTES=9 ... --total-timesteps 3145728)
+#                            levels, 64 envs x 256 steps) for 1M steps, stopped at 6 minutes (MINUTES=...); if it
+#                            finished, 20 episodes on its training levels and 20 on unseen ones; the curve and the
+#                            returns in docs/results/gpu/procgen/ (flags after the grid's name go to the script, e.g.
+#                            --total-timesteps; a command on the project's GPU machine runs 10 minutes at most)
 #
 # The 8-GPU and 2-node grids use 120 environments (2 actor devices or 2 nodes x 2 threads x 30), which
 # split evenly over 6 learner devices (20 each, 5 per IMPALA minibatch); 128 would not.
@@ -76,7 +78,8 @@ PROCGEN16="BigfishEasy-v0 BossfightEasy-v0 CaveflyerEasy-v0 ChaserEasy-v0 Climbe
 DodgeballEasy-v0 FruitbotEasy-v0 HeistEasy-v0 JumperEasy-v0 LeaperEasy-v0 MazeEasy-v0 MinerEasy-v0 NinjaEasy-v0
 PlunderEasy-v0 StarpilotEasy-v0"
 # Procgen's PPO (Cobbe et al., 2020): 256-step rollouts, 8 minibatches (along time) x 3 epochs, gamma 0.999, lambda
-# 0.95, entropy 0.01, clip 0.2, gradient norm 0.5, Adam 5e-4 (not annealed), rewards normalised; 25M steps.
+# 0.95, entropy 0.01, clip 0.2, gradient norm 0.5, Adam 5e-4 (not annealed), rewards normalised; then the grids'
+# run: 25M steps, the model saved for the test on unseen levels, tracked (gpu-procgen runs the same settings shorter).
 PROCGEN_PPO="--num-levels 200 --num-steps 256 --num-minibatches 8 --update-epochs 3 --learning-rate 5e-4
 --no-anneal-lr --gamma 0.999 --gae-lambda 0.95 --ent-coef 0.01 --clip-coef 0.2 --max-grad-norm 0.5 --norm-reward True"
 PROCGEN_RUN="--total-timesteps 25000000 --save-model --track"
@@ -239,13 +242,13 @@ case "$grid" in
     for run in runs/*Easy-v0__cleanba_ppo_procgen*; do
       $PYTHON cleanba/evaluate.py "$run" --levels unseen --episodes 100 "$@"
     done ;;
+  # --8<-- [end:procgen]
   procgen-cpu)
     $PYTHON cleanba/cleanba_impala.py --env-id StarpilotEasy-v0 --num-levels 200 --num-actor-threads 1 --local-num-envs 16 \
       --num-steps 64 --total-timesteps 500000 --save-model --run-name procgen_cpu_starpilot "$@"
     $PYTHON cleanba/evaluate.py runs/procgen_cpu_starpilot --levels train --episodes 20
     $PYTHON cleanba/evaluate.py runs/procgen_cpu_starpilot --levels unseen --episodes 20
     $PYTHON cleanba/aggregate.py runs/procgen_cpu_starpilot --out docs/results/procgen_cpu --no-profiles ;;
-  # --8<-- [end:procgen]
   soak)
     $PYTHON tests/soak.py --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
   soak-slurm)
@@ -258,7 +261,7 @@ case "$grid" in
   gpu-check)
     $PYTHON tests/benchmarks/gpu_check.py "$@" ;;
   gpu-procgen)
-    $PYTHON tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --minutes "${MINUTES:-4}" --evaluate 20 \
+    $PYTHON tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --minutes "${MINUTES:-6}" --evaluate 20 \
       --out docs/results/gpu/procgen -- --local-num-envs 32 $PROCGEN_PPO --total-timesteps 1048576 --save-model "$@" ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'

@@ -14,12 +14,12 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
 3. both loops again while a learner thread runs the script's update on the actors' first batch without pause, as
    the Cleanba architecture does on a single device (the device then runs the learner's and the actors' programs);
    then with the learner's update dispatched one gradient step at a time, each waited for before the next, as a
-   stand-in for an update split into per-minibatch programs (a program of 1/M of the batch with one minibatch,
-   run M x epochs times): how much of the actors' wait a shorter learner program would save;
-4. the learner's update alone, as the script has it, then with a part replaced (VARIANTS): the ResNet's max-pool by
-   flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with deterministic GPU ops), the categorical's
-   log-probability taken by a mask instead of take_along_axis (a scatter in its gradient); the time of each, and
-   whether it gives the same parameters bit for bit (on a CPU both do).
+   stand-in for an update split into per-minibatch programs (by_minibatch): how much of the actors' wait a shorter
+   learner program would save;
+4. the learner's update alone, as the script has it and by minibatch, then with a part replaced (VARIANTS): the
+   ResNet's max-pool by flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with deterministic GPU
+   ops), the categorical's log-probability taken by a mask instead of take_along_axis (a scatter in its gradient);
+   the time of each, and whether it gives the same parameters bit for bit (on a CPU both do).
 
 The first figures (docs/results/gpu/actor_step_impala_*.md) came from this file's first version (commit bfeecc9),
 when the script's ResNet had flax's max-pool and the variant was the strided one.
@@ -203,27 +203,40 @@ LOOPS = [  # name, observe and act fused, with which learner
 ]
 
 
-def minibatch_learner(algo, args, networks, state):
-    """An update as M x epochs programs of one gradient step each, run one after the other, each waited for: the
-    script's update built for 1/M of the envs with one minibatch and one epoch (the same shapes per gradient step),
-    on a batch of its own. A timing stand-in, not the script's arithmetic."""
-    pieces = args.num_minibatches * getattr(args, "update_epochs", 1)
-    small = dataclasses.replace(args, local_num_envs=args.local_num_envs // args.num_minibatches, num_minibatches=1)
-    if hasattr(args, "update_epochs"):
-        small = dataclasses.replace(small, update_epochs=1)
-    cfg = algo.derive_config(small)
-    _, first = throughput.actor_alone(algo, small, cfg, networks, state.params, rollouts=2)
-    update_fn = algo.make_update(small, cfg, networks)
-    batch = algo.collate(first, len(cfg.local_learner_devices))
-    states = [state]
+class Learner:
+    """A learner thread's work, as a callable: `calls` updates of the script's update built for `args` (or a variant
+    put in `update_fn`), one after the other and each waited for, on a batch of the script's own actors."""
 
-    def learner():
-        for _ in range(pieces):
-            new_state, losses, *_ = update_fn(states[0], batch, 1)
+    def __init__(self, algo, args, networks, state, calls: int = 1):
+        cfg = algo.derive_config(args)
+        _, first = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts=2)
+        self.batch = algo.collate(first, len(cfg.local_learner_devices))
+        self.update_fn = algo.make_update(args, cfg, networks)
+        self.state = state
+        self.calls = calls
+
+    def __call__(self):
+        for _ in range(self.calls):
+            new_state, losses, *_ = self.update_fn(self.state, self.batch, 1)
             jax.block_until_ready(losses)
-            states[0] = new_state
+            self.state = new_state
 
-    return learner
+
+def by_minibatch(algo, args, networks, state) -> Learner:
+    """An update as one program per gradient step (M minibatches x epochs of them), a timing stand-in for the
+    script's update split into per-minibatch programs (not its arithmetic): the update built for one minibatch's
+    shape and one epoch, called once per gradient step. IMPALA's minibatches split the envs; PPO's and PQN's the
+    steps (each piece then also computes its own, shorter, advantages or targets)."""
+    minibatches = args.num_minibatches
+    if hasattr(args, "update_epochs"):
+        small = dataclasses.replace(args, num_steps=args.num_steps // minibatches, update_epochs=1)
+        return Learner(
+            algo, dataclasses.replace(small, num_minibatches=1), networks, state, minibatches * args.update_epochs
+        )
+    if args.local_num_envs % minibatches:
+        raise SystemExit(f"--local-num-envs {args.local_num_envs}: a multiple of --num-minibatches {minibatches}")
+    small = dataclasses.replace(args, local_num_envs=args.local_num_envs // minibatches, num_minibatches=1)
+    return Learner(algo, small, networks, state, minibatches)
 
 
 def markdown(report: dict) -> str:
@@ -299,20 +312,11 @@ def main():
 
     report["env_alone_sps"] = throughput.env_ceiling(algo, args, args.num_actor_threads, opts.seconds)
     save()
-    _, first = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts=2)
-    update_fn = algo.make_update(args, cfg, networks)
-    batch = algo.collate(first, len(cfg.local_learner_devices))
-    states = [state]
-
-    def learner():
-        new_state, losses, *_ = update_fn(states[0], batch, 1)
-        jax.block_until_ready(losses)
-        states[0] = new_state
-
+    learner = Learner(algo, args, networks, state)
     first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
     report["update"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
     save()
-    learner_by_minibatch = minibatch_learner(algo, args, networks, state)
+    learner_by_minibatch = by_minibatch(algo, args, networks, state)
     first_s, update_s = throughput.timed_calls(learner_by_minibatch, opts.seconds, 3)
     report["update by minibatch"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
     save()
@@ -324,18 +328,18 @@ def main():
         )
         save()
     # Each variant: the same update, its time, and whether its parameters are the same bits as the script's.
-    reference, *_ = update_fn(state, batch, 1)
-    script_update = update_fn
+    script_update = learner.update_fn
+    reference, *_ = script_update(state, learner.batch, 1)
     for name, patch in VARIANTS:
         restore = patch(algo)
         try:
-            update_fn = algo.make_update(args, cfg, networks)
-            variant, *_ = update_fn(state, batch, 1)
-            states[0] = state
+            learner.update_fn = algo.make_update(args, cfg, networks)
+            variant, *_ = learner.update_fn(state, learner.batch, 1)
+            learner.state = state
             first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
         finally:
             restore()
-            update_fn = script_update
+            learner.update_fn = script_update
         pairs = list(zip(jax.tree.leaves(reference.params), jax.tree.leaves(variant.params), strict=True))
         report[f"update, {name}"] = dict(
             first_s=first_s,

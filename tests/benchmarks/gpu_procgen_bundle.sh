@@ -32,6 +32,6 @@ tar xzf .gpu/site.tar.gz -C "$work" site/envpool/entry.py
 sed -i 's|mujoco.gym"|mujoco.gym procgen"|' "$work/site/envpool/entry.py"
 grep -q 'procgen"' "$work/site/envpool/entry.py" || { echo "gpu_procgen_bundle.sh: the bundle's entry.py changed" >&2; exit 1; }
 tar czf .gpu/procgen.tar.gz -C "$work" site
-line='[ -f /tmp/cleanba-gpu-site/site/envpool/procgen/procgen_envpool.so ] || tar xzf "$here/procgen.tar.gz" -C /tmp/cleanba-gpu-site'
+line='[ -f /tmp/cleanba-gpu-site/site/imageio/__init__.py ] || tar xzf "$here/procgen.tar.gz" -C /tmp/cleanba-gpu-site'
 grep -qxF "$line" .gpu/env.sh || echo "$line" >> .gpu/env.sh
 echo "gpu_procgen_bundle.sh: .gpu/procgen.tar.gz is $(du -m .gpu/procgen.tar.gz | cut -f1) MiB; .gpu/ $(du -sm .gpu | cut -f1) MiB in all"

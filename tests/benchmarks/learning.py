@@ -87,10 +87,11 @@ def evaluate(run_dir: str, episodes: int, levels: str) -> str | None:
     command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), run_dir, "--episodes", str(episodes)]
     played = subprocess.run([*command, "--levels", levels], capture_output=True, text=True)
     mean = re.search(r"^mean return over \d+ episodes.*: (\S+ ± \S+)$", played.stdout, re.M)
-    if played.returncode or not mean:
+    if played.returncode:
         print(f"evaluate.py --levels {levels} exited {played.returncode}:\n{played.stderr[-3000:]}", flush=True)
-        return None
-    return mean.group(1)
+    elif not mean:
+        print(f"evaluate.py --levels {levels}: no episode finished:\n{played.stdout[-3000:]}", flush=True)
+    return mean.group(1) if mean and not played.returncode else None
 
 
 def evaluations(run_dir: str, episodes: int) -> dict:
@@ -196,11 +197,9 @@ def main():
     write_curves(results, args.out, args.env_id)
     header = "| script | steps | updates | steps/s | slowest / fastest tenth | compile s | learner wait | actor wait | "
     header += "final return (last 10%) |"
-    columns = 9
     if args.evaluate:
         header += f" saved model, {args.evaluate} episodes: training levels | unseen levels |"
-        columns += 2
-    rows = [header, "|---" * columns + "|"]
+    rows = [header, "|---" * (header.count("|") - 1) + "|"]
     for result in results.values():
         s = result["summary"]
         row = (
