@@ -84,6 +84,10 @@ PlunderEasy-v0 StarpilotEasy-v0"
 PROCGEN_PPO="--num-levels 200 --num-steps 256 --num-minibatches 8 --update-epochs 3 --learning-rate 5e-4
 --no-anneal-lr --gamma 0.999 --gae-lambda 0.95 --ent-coef 0.01 --clip-coef 0.2 --max-grad-norm 0.5 --norm-reward True"
 PROCGEN_RUN="--total-timesteps 25000000 --save-model --track"
+# Procgen on a CPU (procgen-cpu): IMPALA, its defaults but 1 actor thread of 16 envs x 64 steps, on 200 levels for 500k
+# steps (about an hour on one core), the model saved for the test on unseen levels.
+PROCGEN_CPU="--num-levels 200 --num-actor-threads 1 --local-num-envs 16 --num-steps 64 --total-timesteps 500000
+--save-model"
 SEEDS="1 2 3"
 launch() { $PYTHON cleanba/launch.py "$@"; }
 
@@ -158,15 +162,6 @@ minigrid_memory() {
   return $status
 }
 # --8<-- [end:minigrid_memory]
-
-# Procgen on a CPU: IMPALA (its defaults but 1 actor thread of 16 envs x 64 steps) on 200 levels of an easy game for
-# 500k steps, about an hour on one core; then the saved model on its training levels and on unseen ones.
-procgen_cpu() {  # the game, its run's name
-  $PYTHON cleanba/cleanba_impala.py --env-id "$1" --num-levels 200 --num-actor-threads 1 --local-num-envs 16 \
-    --num-steps 64 --total-timesteps 500000 --save-model --run-name "$2"
-  $PYTHON cleanba/evaluate.py "runs/$2" --levels train --episodes 20
-  $PYTHON cleanba/evaluate.py "runs/$2" --levels unseen --episodes 20
-}
 
 # CartPole without its velocities (cart and pole positions only): a memoryless policy cannot balance it. PPO as SB3's
 # recurrent PPO on CartPoleNoVel (8 envs x 32 steps, 1 minibatch, 20 epochs, Adam 1e-3 annealed, gamma 0.98, lambda
@@ -254,10 +249,14 @@ case "$grid" in
     done ;;
   # --8<-- [end:procgen]
   procgen-cpu)
-    procgen_cpu StarpilotEasy-v0 procgen_cpu_starpilot &
+    $PYTHON cleanba/cleanba_impala.py --env-id StarpilotEasy-v0 $PROCGEN_CPU --run-name procgen_cpu_starpilot "$@" &
     starpilot=$!
-    procgen_cpu CoinrunEasy-v0 procgen_cpu_coinrun
+    $PYTHON cleanba/cleanba_impala.py --env-id CoinrunEasy-v0 $PROCGEN_CPU --run-name procgen_cpu_coinrun "$@"
     wait $starpilot
+    for run in procgen_cpu_starpilot procgen_cpu_coinrun; do
+      $PYTHON cleanba/evaluate.py "runs/$run" --levels train --episodes 20
+      $PYTHON cleanba/evaluate.py "runs/$run" --levels unseen --episodes 20
+    done
     $PYTHON cleanba/aggregate.py runs/procgen_cpu_starpilot runs/procgen_cpu_coinrun --out docs/results/procgen_cpu \
       --no-profiles ;;
   soak)
