@@ -32,10 +32,11 @@
 #                            settings are those above
 #   procgen-test             each finished Procgen run under runs/ plays 100 episodes on unseen levels
 #                            (cleanba/evaluate.py --levels unseen); then aggregate.py reports train and test returns
-#   procgen-cpu              what a CPU can show of Procgen in about an hour: IMPALA on StarpilotEasy-v0 (200 levels,
-#                            16 envs x 64 steps, 500k steps), then 20 episodes on its training levels and 20 on unseen
-#                            ones (their returns printed); aggregate.py's train and test returns (the run's last tenth,
-#                            and the unseen levels) and its curve in docs/results/procgen_cpu/
+#   procgen-cpu              what a CPU can show of Procgen in about an hour per game: IMPALA on StarpilotEasy-v0, then
+#                            on CoinrunEasy-v0 (200 levels, 16 envs x 64 steps, 500k steps); then 20 episodes of each on
+#                            its training levels and 20 on unseen ones (their returns printed); aggregate.py's train and
+#                            test returns (the run's last tenth, and the unseen levels) and curves in
+#                            docs/results/procgen_cpu/
 #   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
 #                            kinds each from a seeded schedule, every invariant checked; figures in
 #                            docs/results/soak/soak.{json,md} (~40 minutes on 2 CPU cores)
@@ -249,9 +250,13 @@ case "$grid" in
   # --8<-- [end:procgen]
   procgen-cpu)
     $PYTHON cleanba/cleanba_impala.py --env-id StarpilotEasy-v0 $PROCGEN_CPU --run-name procgen_cpu_starpilot "$@"
-    $PYTHON cleanba/evaluate.py runs/procgen_cpu_starpilot --levels train --episodes 20
-    $PYTHON cleanba/evaluate.py runs/procgen_cpu_starpilot --levels unseen --episodes 20
-    $PYTHON cleanba/aggregate.py runs/procgen_cpu_starpilot --out docs/results/procgen_cpu --no-profiles ;;
+    $PYTHON cleanba/cleanba_impala.py --env-id CoinrunEasy-v0 $PROCGEN_CPU --run-name procgen_cpu_coinrun "$@"
+    for run in procgen_cpu_starpilot procgen_cpu_coinrun; do
+      $PYTHON cleanba/evaluate.py "runs/$run" --levels train --episodes 20
+      $PYTHON cleanba/evaluate.py "runs/$run" --levels unseen --episodes 20
+    done
+    $PYTHON cleanba/aggregate.py runs/procgen_cpu_starpilot runs/procgen_cpu_coinrun --out docs/results/procgen_cpu \
+      --no-profiles ;;
   soak)
     $PYTHON tests/soak.py --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
   soak-slurm)
