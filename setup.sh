@@ -12,7 +12,7 @@ cd "$(dirname "$0")"
 dry_run=false
 case "${1:-}" in --dry-run) dry_run=true ;; "") ;; *) echo "setup.sh: unknown argument '$1' (only --dry-run)" >&2; exit 2 ;; esac
 
-# EnvPool 1.2.x, rlax and distrax need Python >= 3.11 (an older Python would resolve an EnvPool that does not
+# EnvPool 1.2.x needs Python >= 3.11 (an older Python would resolve an EnvPool that does not
 # import with current JAX); JAX 0.10.2 and EnvPool publish wheels up to 3.14.
 python=""
 for candidate in ${PYTHON:-python3 python3.11 python3.12 python3.13 python3.14}; do

@@ -48,9 +48,6 @@ from tensorboardX import SummaryWriter
 
 # EnvPool's classic-control specs declare float64 bounds: gymnasium warns, once per env, of nothing that matters.
 warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered", module="gymnasium")
-with warnings.catch_warnings():  # rlax imports tfp-nightly's JAX backend, which touches a deprecated jax.core name
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import rlax
 
 T = TypeVar("T")
 # Each field of Args says what it is (tests/test_scripts.py fails on a field that does not):
@@ -570,18 +567,26 @@ def episode_sums(batch, group_size: int):
 
 
 def vtrace_targets(args: Args, values, rewards, terminations, valid, rhos):
-    """V-trace (Espeholt et al., 2018) with rlax on one env's unroll. values[t + 1]: after a truncation, the value of
-    the episode's final observation; a termination zeroes the discount; a reset step's ratio 0 stops the recursion."""
-    return rlax.vtrace_td_error_and_advantage(
-        values[:-1],
-        values[1:],
-        rewards,
-        args.gamma * (1.0 - terminations),
-        rhos * valid,
-        lambda_=args.vtrace_lambda,
-        clip_rho_threshold=args.clip_rho_threshold,
-        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
-    )
+    """V-trace (Espeholt et al., 2018) on one env's unroll: (v_s - V(x_s), the policy gradient's advantages).
+    values[t + 1]: after a truncation, the final observation's; a reset step's ratio 0 stops the recursion."""
+    discounts = args.gamma * (1.0 - terminations)
+    rhos = rhos * valid
+    lambdas = jnp.full_like(rhos, args.vtrace_lambda)  # float32, as is 1 - lambda below
+    deltas = jnp.minimum(args.clip_rho_threshold, rhos) * (rewards + discounts * values[1:] - values[:-1])
+
+    def backward(later_error, step):  # v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1}))
+        delta, discount, trace = step
+        error = delta + discount * trace * later_error
+        return error, error
+
+    traces = jnp.minimum(1.0, rhos) * lambdas  # c_s
+    errors = jax.lax.scan(backward, 0.0, (deltas, discounts, traces), reverse=True)[1]
+    errors = jax.lax.stop_gradient(errors + values[:-1]) - values[:-1]  # the targets v_s carry no gradient
+    # The policy gradient's Q estimate bootstraps from lambda v_{s+1} + (1 - lambda) V(x_{s+1}), the last from V(x_T).
+    bootstraps = lambdas[:-1] * (errors[1:] + values[1:-1]) + (1 - lambdas[:-1]) * values[1:-1]
+    bootstraps = jnp.concatenate([bootstraps, values[-1:]])
+    pg_advantages = jnp.minimum(args.clip_pg_rho_threshold, rhos) * (rewards + discounts * bootstraps - values[:-1])
+    return errors, pg_advantages
 
 
 def make_update(args: Args, cfg: Config, networks: Networks):
@@ -593,14 +598,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU runs a loop's gradient convolutions 3-10x slower (jax#12868): on a CPU the minibatch loop is unrolled.
-    def scan_or_unroll(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
-        if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
-            return jax.lax.scan(f, carry, xs)
-        outputs = []
-        for x in xs:
-            carry, output = f(carry, x)
-            outputs.append(output)
-        return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
+    # (unroll=True leaves a loop of one step in place: more steps than a loop has leave no loop.)
+    unroll = 2**31 - 1 if cfg.learner_devices[0].platform == "cpu" and networks.convolutional else 1
 
     def impala_loss(params, mb, count):  # mb: (T, envs, ...), and T + 1 observations
         # Each env's unroll replayed from its recorded core state (IMPALA's and moolib's way), the bootstrap step too.
@@ -610,9 +609,9 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         logratio = new_logprobs - mb["logprobs"]  # against the behaviour policy that collected the data
         rhos = jax.lax.stop_gradient(jnp.exp(logratio))
         targets = jax.vmap(functools.partial(vtrace_targets, args), in_axes=1, out_axes=1)
-        vtrace = targets(outputs.value, mb["rewards"], mb["terminations"], mb["valid"], rhos)
-        pg_loss = -new_logprobs * jax.lax.stop_gradient(vtrace.pg_advantage)
-        v_loss = 0.5 * jnp.square(vtrace.errors)  # the targets carry no gradient (stop_target_gradients)
+        errors, pg_advantages = targets(outputs.value, mb["rewards"], mb["terminations"], mb["valid"], rhos)
+        pg_loss = -new_logprobs * jax.lax.stop_gradient(pg_advantages)
+        v_loss = 0.5 * jnp.square(errors)  # the targets carry no gradient
         # Local sums over the global count: the global sum of these gradients is the global mean's gradient.
         pg_loss = weighted_sum(pg_loss, mb["valid"]) / count
         v_loss = weighted_sum(v_loss, mb["valid"]) / count
@@ -627,15 +626,13 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     def update(state: TrainState, batch, update_index):
         rewards, stats = normalisation(state.params, batch, G)
         data = dict(obs=batch["obs"], actions=batch["actions"], logprobs=batch["logprobs"], rewards=rewards)
-        data.update(terminations=batch["terminations"].astype(jnp.float32), valid=batch["valid"].astype(jnp.float32))
-        data.update(core_states=batch["core_states"])
+        data.update(terminations=batch["terminations"], valid=batch["valid"], core_states=batch["core_states"])
         env_ids = batch["env_ids"]
         groups = env_ids.reshape(-1, M)[:, 0] // M  # global index of each group of M envs
         update_key = jax.random.fold_in(minibatch_key, update_index)
         order = jax.vmap(lambda group: jax.random.permutation(jax.random.fold_in(update_key, group), M))(groups)
         minibatch_envs = (jnp.arange(groups.shape[0])[:, None] * M + order).T  # (M, envs per minibatch)
-        local_envs = env_ids.shape[0]
-        pieces = jax.lax.psum(1, "devices") * (local_envs // G if G else 1)  # what global_sum adds: devices or groups
+        pieces = jax.lax.psum(1, "devices") * (env_ids.shape[0] // G if G else 1)  # global_sum adds: devices or groups
 
         def minibatch(state, envs):
             mb = jax.tree.map(lambda x: x[:, envs], data)  # (T, local envs, ...) -> (T, envs of the minibatch, ...)
@@ -646,7 +643,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
             losses["grad_norm"] = optax.tree.norm(grads)
             return state.apply_gradients(grads=grads), losses
 
-        state, losses = scan_or_unroll(minibatch, state, minibatch_envs)
+        state, losses = jax.lax.scan(minibatch, state, minibatch_envs, unroll=unroll)
         # params also hold the normalisation statistics: no gradient reaches them, so each update puts in its batch's.
         state = state.replace(params={**state.params, **stats})
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
@@ -656,33 +653,37 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
 
 def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space) -> tuple[TrainState, object]:
-    """(Parameters from --seed and the optimiser's state, on the host; the learning rate or its schedule)"""
-    initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
-    torso_key, actor_key, critic_key = jax.random.split(initialisation_key, 3)
+    """(Parameters from --seed and the optimiser's state, on the default device; the learning rate or its schedule)"""
     dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
-    params = dict(torso=networks.torso.init(torso_key, dummy_obs))
-    policy_hidden, value_hidden = networks.torso.apply(params["torso"], dummy_obs)
-    if networks.core:  # a stream of its own (the other keys are those of a run without a core); it feeds both heads
-        core_key = jax.random.fold_in(initialisation_key, 3)
-        state = np.zeros((1, 2, networks.core.width), np.float32)
-        towers = (np.zeros((1, *policy_hidden.shape), np.float32), np.zeros((1, *value_hidden.shape), np.float32))
-        params["core"] = networks.core.init(core_key, state, towers, np.zeros((1, 1), bool))
-        policy_hidden = value_hidden = np.zeros((1, networks.core.size), np.float32)
-    params["actor"] = networks.actor.init(actor_key, policy_hidden)
-    params["critic"] = networks.critic.init(critic_key, value_hidden)
-
-    def no_statistics(shape):  # running mean 0 and variance 1, of (almost) no samples
-        return dict(mean=np.zeros(shape, np.float32), var=np.ones(shape, np.float32), count=np.float32(1e-4))
-
-    if args.norm_obs:
-        params["obs_stats"] = no_statistics(observation_space.shape)
-    if args.norm_reward:
-        params["return_stats"] = no_statistics(())
     gradient_steps = cfg.num_updates * args.num_minibatches
     schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
     rmsprop = optax.rmsprop(schedule, decay=args.rmsprop_decay, eps=args.rmsprop_eps)
     tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), rmsprop)
-    return TrainState.create(apply_fn=None, params=params, tx=tx), schedule
+
+    def no_statistics(shape):  # running mean 0 and variance 1, of (almost) no samples
+        return dict(mean=np.zeros(shape, np.float32), var=np.ones(shape, np.float32), count=np.float32(1e-4))
+
+    @jax.jit  # one program, which the compilation cache keeps: op by op, a ResNet's took ~9 s of each start on a CPU
+    def initial_state(seed_key):
+        initialisation_key = jax.random.fold_in(seed_key, INITIALISATION)
+        torso_key, actor_key, critic_key = jax.random.split(initialisation_key, 3)
+        params = dict(torso=networks.torso.init(torso_key, dummy_obs))
+        policy_hidden, value_hidden = networks.torso.apply(params["torso"], dummy_obs)
+        if networks.core:  # a stream of its own (the other keys are those of a run without a core); it feeds both heads
+            core_key = jax.random.fold_in(initialisation_key, 3)
+            state = np.zeros((1, 2, networks.core.width), np.float32)
+            towers = (np.zeros((1, *policy_hidden.shape), np.float32), np.zeros((1, *value_hidden.shape), np.float32))
+            params["core"] = networks.core.init(core_key, state, towers, np.zeros((1, 1), bool))
+            policy_hidden = value_hidden = np.zeros((1, networks.core.size), np.float32)
+        params["actor"] = networks.actor.init(actor_key, policy_hidden)
+        params["critic"] = networks.critic.init(critic_key, value_hidden)
+        if args.norm_obs:
+            params["obs_stats"] = no_statistics(observation_space.shape)
+        if args.norm_reward:
+            params["return_stats"] = no_statistics(())
+        return TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    return initial_state(jax.random.key(args.seed)), schedule
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -586,14 +586,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU runs a loop's gradient convolutions 3-10x slower (jax#12868): on a CPU the minibatch loops are unrolled.
-    def scan_or_unroll(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
-        if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
-            return jax.lax.scan(f, carry, xs)
-        outputs = []
-        for x in xs:
-            carry, output = f(carry, x)
-            outputs.append(output)
-        return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
+    # (unroll=True leaves a loop of one step in place: more steps than a loop has leave no loop.)
+    unroll = 2**31 - 1 if cfg.learner_devices[0].platform == "cpu" and networks.convolutional else 1
 
     def ppo_loss(params, mb, count):  # mb: (S, envs, ...)
         outputs = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0)
@@ -647,9 +641,9 @@ def make_update(args: Args, cfg: Config, networks: Networks):
                 losses["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), losses
 
-            return scan_or_unroll(minibatch, state, order)
+            return jax.lax.scan(minibatch, state, order, unroll=unroll)
 
-        state, losses = scan_or_unroll(epoch, state, jnp.arange(args.update_epochs))
+        state, losses = jax.lax.scan(epoch, state, jnp.arange(args.update_epochs), unroll=unroll)
         # params also hold the normalisation statistics: no gradient reaches them, so each update puts in its batch's.
         state = state.replace(params={**state.params, **stats})
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
@@ -659,32 +653,36 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
 
 def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space) -> tuple[TrainState, object]:
-    """(Parameters from --seed and the optimiser's state, on the host; the learning rate or its schedule)"""
-    initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
-    torso_key, actor_key, critic_key = jax.random.split(initialisation_key, 3)
+    """(Parameters from --seed and the optimiser's state, on the default device; the learning rate or its schedule)"""
     dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
-    params = dict(torso=networks.torso.init(torso_key, dummy_obs))
-    policy_hidden, value_hidden = networks.torso.apply(params["torso"], dummy_obs)
-    if networks.core:  # a stream of its own (the other keys are those of a run without a core); it feeds both heads
-        core_key = jax.random.fold_in(initialisation_key, 3)
-        state = np.zeros((1, 2, networks.core.width), np.float32)
-        towers = (np.zeros((1, *policy_hidden.shape), np.float32), np.zeros((1, *value_hidden.shape), np.float32))
-        params["core"] = networks.core.init(core_key, state, towers, np.zeros((1, 1), bool))
-        policy_hidden = value_hidden = np.zeros((1, networks.core.size), np.float32)
-    params["actor"] = networks.actor.init(actor_key, policy_hidden)
-    params["critic"] = networks.critic.init(critic_key, value_hidden)
+    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
+    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
 
     def no_statistics(shape):  # running mean 0 and variance 1, of (almost) no samples
         return dict(mean=np.zeros(shape, np.float32), var=np.ones(shape, np.float32), count=np.float32(1e-4))
 
-    if args.norm_obs:
-        params["obs_stats"] = no_statistics(observation_space.shape)
-    if args.norm_reward:
-        params["return_stats"] = no_statistics(())
-    gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
-    schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
-    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(schedule, eps=args.adam_eps))
-    return TrainState.create(apply_fn=None, params=params, tx=tx), schedule
+    @jax.jit  # one program, which the compilation cache keeps: op by op, a ResNet's took ~9 s of each start on a CPU
+    def initial_state(seed_key):
+        initialisation_key = jax.random.fold_in(seed_key, INITIALISATION)
+        torso_key, actor_key, critic_key = jax.random.split(initialisation_key, 3)
+        params = dict(torso=networks.torso.init(torso_key, dummy_obs))
+        policy_hidden, value_hidden = networks.torso.apply(params["torso"], dummy_obs)
+        if networks.core:  # a stream of its own (the other keys are those of a run without a core); it feeds both heads
+            core_key = jax.random.fold_in(initialisation_key, 3)
+            state = np.zeros((1, 2, networks.core.width), np.float32)
+            towers = (np.zeros((1, *policy_hidden.shape), np.float32), np.zeros((1, *value_hidden.shape), np.float32))
+            params["core"] = networks.core.init(core_key, state, towers, np.zeros((1, 1), bool))
+            policy_hidden = value_hidden = np.zeros((1, networks.core.size), np.float32)
+        params["actor"] = networks.actor.init(actor_key, policy_hidden)
+        params["critic"] = networks.critic.init(critic_key, value_hidden)
+        if args.norm_obs:
+            params["obs_stats"] = no_statistics(observation_space.shape)
+        if args.norm_reward:
+            params["return_stats"] = no_statistics(())
+        return TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    return initial_state(jax.random.key(args.seed)), schedule
 
 
 # ---------------------------------------------------------------------------------------------------------------------

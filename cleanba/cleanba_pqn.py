@@ -526,14 +526,8 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
 
     # XLA:CPU runs a loop's gradient convolutions 3-10x slower (jax#12868): on a CPU the minibatch loops are unrolled.
-    def scan_or_unroll(f, carry, xs):  # lax.scan(unroll=True) still emits a loop when there is a single step
-        if cfg.learner_devices[0].platform != "cpu" or not networks.convolutional:
-            return jax.lax.scan(f, carry, xs)
-        outputs = []
-        for x in xs:
-            carry, output = f(carry, x)
-            outputs.append(output)
-        return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
+    # (unroll=True leaves a loop of one step in place: more steps than a loop has leave no loop.)
+    unroll = 2**31 - 1 if cfg.learner_devices[0].platform == "cpu" and networks.convolutional else 1
 
     def td_loss(params, mb, count):  # mb: (S, envs, ...)
         q_values = forward(networks, params, mb["obs"], mb["core_states"][0], mb["valid"] == 0).q_values
@@ -578,9 +572,9 @@ def make_update(args: Args, cfg: Config, networks: Networks):
                 losses["grad_norm"] = optax.tree.norm(grads)
                 return state.apply_gradients(grads=grads), losses
 
-            return scan_or_unroll(minibatch, state, minibatch_steps)
+            return jax.lax.scan(minibatch, state, minibatch_steps, unroll=unroll)
 
-        state, losses = scan_or_unroll(epoch, state, jnp.arange(args.update_epochs))
+        state, losses = jax.lax.scan(epoch, state, jnp.arange(args.update_epochs), unroll=unroll)
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
 
     # The state is not donated: the actors keep using the parameters the learner just replaced.
@@ -588,24 +582,29 @@ def make_update(args: Args, cfg: Config, networks: Networks):
 
 
 def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space) -> tuple[TrainState, object]:
-    """(Parameters from --seed and the optimiser's state, on the host; the learning rate or its schedule)"""
-    initialisation_key = jax.random.fold_in(jax.random.key(args.seed), INITIALISATION)
-    torso_key, q_key = jax.random.split(initialisation_key)
+    """(Parameters from --seed and the optimiser's state, on the default device; the learning rate or its schedule)"""
     dummy_obs = jax.tree.map(lambda x: np.zeros_like(x)[None], observation_space.sample())  # one, with a batch axis
-    params = dict(torso=networks.torso.init(torso_key, dummy_obs))
-    hidden, _ = networks.torso.apply(params["torso"], dummy_obs)
-    if networks.core:  # a stream of its own (the other keys are those of a run without a core)
-        core_key = jax.random.fold_in(initialisation_key, 3)
-        state = np.zeros((1, 2, networks.core.width), np.float32)
-        sequence = (np.zeros((1, 1, hidden.shape[-1]), np.float32),)
-        params["core"] = networks.core.init(core_key, state, sequence, np.zeros((1, 1), bool))
-        hidden = np.zeros((1, networks.core.size), np.float32)
-    params["q_head"] = networks.q_head.init(q_key, hidden)
     gradient_steps = cfg.num_updates * args.update_epochs * args.num_minibatches
     schedule = optax.linear_schedule(args.learning_rate, 0.0, gradient_steps) if args.anneal_lr else args.learning_rate
     # RAdam (Liu et al., 2020), as the paper: Adam whose early steps are damped while its variance estimate is poor.
     tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.radam(schedule))
-    return TrainState.create(apply_fn=None, params=params, tx=tx), schedule
+
+    @jax.jit  # one program, which the compilation cache keeps: op by op, a ResNet's took ~9 s of each start on a CPU
+    def initial_state(seed_key):
+        initialisation_key = jax.random.fold_in(seed_key, INITIALISATION)
+        torso_key, q_key = jax.random.split(initialisation_key)
+        params = dict(torso=networks.torso.init(torso_key, dummy_obs))
+        hidden, _ = networks.torso.apply(params["torso"], dummy_obs)
+        if networks.core:  # a stream of its own (the other keys are those of a run without a core)
+            core_key = jax.random.fold_in(initialisation_key, 3)
+            state = np.zeros((1, 2, networks.core.width), np.float32)
+            sequence = (np.zeros((1, 1, hidden.shape[-1]), np.float32),)
+            params["core"] = networks.core.init(core_key, state, sequence, np.zeros((1, 1), bool))
+            hidden = np.zeros((1, networks.core.size), np.float32)
+        params["q_head"] = networks.q_head.init(q_key, hidden)
+        return TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    return initial_state(jax.random.key(args.seed)), schedule
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -353,7 +353,6 @@ GPU_LOOP_CASES = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:.*precision lowered:UserWarning")  # EnvPool's float64 bounds (see the scripts)
 @pytest.mark.parametrize("algo, flags", [(algo, flags) for algo, cases in GPU_LOOP_CASES.items() for flags in cases])
 def test_the_gpu_rollout_loop_collects_what_the_compiled_rollout_does(algo, flags):
     """On a CPU the rollout is one compiled program with EnvPool stepping inside it; on a GPU the actor thread's envs

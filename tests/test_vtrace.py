@@ -1,6 +1,6 @@
 """V-trace targets of cleanba_impala.py on hand-made unrolls with a termination, a truncation and
 EnvPool's reset steps, against the definition in Espeholt et al. (2018), eq. (1), written as an
-explicit sum (not rlax's backward recursion)."""
+explicit sum (not the script's backward recursion)."""
 
 import numpy as np
 import pytest
@@ -31,7 +31,7 @@ def reference_vtrace(rhos, lambda_=1.0, rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0):
             total += weight * deltas[k]
             weight *= discounts[k] * cs[k]
         vs[t] = VALUES[t] + total
-    # rlax's q-estimate bootstraps from lambda * vs_{t+1} + (1 - lambda) V(x_{t+1}), the paper's
+    # The Q estimate bootstraps from lambda * vs_{t+1} + (1 - lambda) V(x_{t+1}), the paper's
     # r_t + gamma vs_{t+1} at the default lambda = 1.
     vs_next = np.append(lambda_ * vs[1:] + (1 - lambda_) * VALUES[1:T], VALUES[T])
     pg_advantages = np.minimum(pg_rho_bar, rhos) * (REWARDS + discounts * vs_next - VALUES[:-1])
@@ -40,8 +40,10 @@ def reference_vtrace(rhos, lambda_=1.0, rho_bar=1.0, c_bar=1.0, pg_rho_bar=1.0):
 
 def targets(rhos, **overrides):
     args = impala.Args(gamma=GAMMA, **overrides)
-    out = impala.vtrace_targets(args, VALUES, REWARDS, TERMINATIONS, VALID, np.asarray(rhos, np.float32))
-    return np.asarray(out.errors) + VALUES[:-1], np.asarray(out.pg_advantage)
+    errors, pg_advantages = impala.vtrace_targets(
+        args, VALUES, REWARDS, TERMINATIONS, VALID, np.asarray(rhos, np.float32)
+    )
+    return np.asarray(errors) + VALUES[:-1], np.asarray(pg_advantages)
 
 
 def test_on_policy_targets_by_hand():
