@@ -571,7 +571,7 @@ def vtrace_targets(args: Args, values, rewards, terminations, valid, rhos):
     values[t + 1]: after a truncation, the final observation's; a reset step's ratio 0 stops the recursion."""
     discounts = args.gamma * (1.0 - terminations)
     rhos = rhos * valid
-    lambdas = jnp.full_like(rhos, args.vtrace_lambda)  # float32, as is 1 - lambda below
+    vtrace_lambdas = jnp.full_like(rhos, args.vtrace_lambda)  # float32, as is 1 - lambda below
     deltas = jnp.minimum(args.clip_rho_threshold, rhos) * (rewards + discounts * values[1:] - values[:-1])
 
     def backward(later_error, step):  # v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1}))
@@ -579,11 +579,11 @@ def vtrace_targets(args: Args, values, rewards, terminations, valid, rhos):
         error = delta + discount * trace * later_error
         return error, error
 
-    traces = jnp.minimum(1.0, rhos) * lambdas  # c_s
+    traces = jnp.minimum(1.0, rhos) * vtrace_lambdas  # c_s
     errors = jax.lax.scan(backward, 0.0, (deltas, discounts, traces), reverse=True)[1]
     errors = jax.lax.stop_gradient(errors + values[:-1]) - values[:-1]  # the targets v_s carry no gradient
     # The policy gradient's Q estimate bootstraps from lambda v_{s+1} + (1 - lambda) V(x_{s+1}), the last from V(x_T).
-    bootstraps = lambdas[:-1] * (errors[1:] + values[1:-1]) + (1 - lambdas[:-1]) * values[1:-1]
+    bootstraps = vtrace_lambdas[:-1] * (errors[1:] + values[1:-1]) + (1 - vtrace_lambdas[:-1]) * values[1:-1]
     bootstraps = jnp.concatenate([bootstraps, values[-1:]])
     pg_advantages = jnp.minimum(args.clip_pg_rho_threshold, rhos) * (rewards + discounts * bootstraps - values[:-1])
     return errors, pg_advantages
