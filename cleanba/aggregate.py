@@ -12,9 +12,10 @@ task). Written to --out:
 - games.md / games.csv: per method and environment, the final score's mean +- std over seeds, its steps and
   wall-clock time, and the published reference score of the same algorithm where there is one (PUBLISHED below)
 - aggregates.md / aggregates.csv, aggregates.png: per method, median, mean and IQM of the HNS over its Atari
-  games with 95% stratified-bootstrap confidence intervals, computed and plotted by rliable (Agarwal et al., 2021,
-  "Deep RL at the Edge of the Statistical Precipice"). Only normalised scores are aggregated: raw returns of
-  different games are not on one scale, so other environments are reported game by game and left out.
+  games with 95% stratified-bootstrap confidence intervals (rliable's method and plots: Agarwal et al., 2021, "Deep
+  RL at the Edge of the Statistical Precipice"; seeded, so the same runs give the same intervals). Only normalised
+  scores are aggregated: raw returns of different games are not on one scale, so other environments are reported
+  game by game and left out.
 - profiles.png (--no-profiles: none): rliable's performance profiles of the HNS, per method, with 95% intervals.
   rliable needs as many runs of every game: a game with more seeds than a method's fewest is cut to that many.
 - curves_<env>.png: mean +- 95% CI over seeds against environment steps and against wall-clock time
@@ -198,19 +199,22 @@ def aggregates(scores_by_game: dict[str, list[float]]) -> dict[str, float]:
     return {name: float(value) for name, value in zip(AGGREGATES, values, strict=True)}
 
 
-def stratified_bootstrap(scores_by_game: dict[str, list[float]], repetitions=2000, confidence=0.95, seed=0):
-    """{aggregate: (low, high)}: rliable's percentile intervals over resamples that redraw the runs of each game
-    with replacement, game by game (the strata), so every resample keeps every game."""
-    from rliable import library
+def bootstrap_intervals(matrix: np.ndarray, statistic, repetitions: int, confidence=0.95, seed=0) -> np.ndarray:
+    """(2, K): the lower and upper percentile bounds of `statistic` (K values of a (runs, games) matrix) over
+    stratified resamples, rliable's method: each game's runs redrawn with replacement, so every resample keeps every
+    game. Written here because rliable's resampling draws from NumPy's global generator, whatever seed it is given:
+    with this one the same runs give the same intervals."""
+    rng = np.random.default_rng(seed)
+    runs, games = matrix.shape
+    every_game = np.arange(games)
+    resampled = [statistic(matrix[rng.integers(0, runs, size=(runs, games)), every_game]) for _ in range(repetitions)]
+    tail = 100 * (1 - confidence) / 2
+    return np.percentile(np.array(resampled), [tail, 100 - tail], axis=0)
 
-    _, intervals = library.get_interval_estimates(
-        {"scores": score_matrix(scores_by_game)},
-        aggregate_metrics,
-        reps=repetitions,
-        confidence_interval_size=confidence,
-        random_state=np.random.RandomState(seed),
-    )
-    low, high = intervals["scores"]
+
+def stratified_bootstrap(scores_by_game: dict[str, list[float]], repetitions=2000, confidence=0.95, seed=0):
+    """{aggregate: (low, high)}: the percentile intervals of the aggregates over stratified resamples."""
+    low, high = bootstrap_intervals(score_matrix(scores_by_game), aggregate_metrics, repetitions, confidence, seed)
     return {name: (float(low[i]), float(high[i])) for i, name in enumerate(AGGREGATES)}
 
 
@@ -320,7 +324,12 @@ def plot_profiles(by_method: dict, path: str, label: str, repetitions: int):
     matrices = {method: score_matrix(scores) for method, scores in sorted(by_method.items())}
     top = max(float(np.max(matrix)) for matrix in matrices.values())
     thresholds = np.linspace(0.0, max(top, 1e-9), 81)
-    profiles, intervals = library.create_performance_profile(matrices, thresholds, reps=repetitions)
+
+    def profile_of(matrix):  # the fraction of the (run, game) scores above each threshold
+        return library.score_distributions(matrix, thresholds)
+
+    profiles = {method: profile_of(matrix) for method, matrix in matrices.items()}
+    intervals = {method: bootstrap_intervals(matrix, profile_of, repetitions) for method, matrix in matrices.items()}
     fig, axis = plt.subplots(figsize=(7, 4.5))
     plot_utils.plot_performance_profiles(
         profiles,

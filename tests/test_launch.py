@@ -289,11 +289,14 @@ def test_human_normalized_scores():
     assert set(grid) == atari and len(grid) == 57
 
 
-def test_bootstrap_intervals_contain_the_point_estimates():
-    rng = __import__("numpy").random.default_rng(3)
+def test_bootstrap_intervals_contain_the_point_estimates_and_are_reproducible():
+    rng = np.random.default_rng(3)
     scores = {f"game{i}": list(rng.normal(i, 1.0, size=3)) for i in range(10)}
     point, interval = aggregate.aggregates(scores), aggregate.stratified_bootstrap(scores, repetitions=500)
     for name in ("median", "mean", "iqm"):
         low, high = interval[name]
         assert low <= point[name] <= high and high - low > 0
+    np.random.seed(1)  # NumPy's global generator, which rliable's own bootstrap draws from, has no say
+    assert aggregate.stratified_bootstrap(scores, repetitions=500) == interval
+    assert aggregate.stratified_bootstrap(scores, repetitions=500, seed=1) != interval
     assert aggregate.interquartile_mean([0, 1, 2, 3, 4, 5, 6, 100]) == pytest.approx(3.5)
