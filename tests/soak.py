@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -55,6 +54,7 @@ import flax.serialization
 import numpy as np
 from helpers import REPO, SCRIPTS, free_port, read_scalars, session_processes
 from slurm_cluster import slurm_cluster
+from soak_task import with_file_size_limit
 
 # TensorBoard's reader warns of each purge a resume made: expected here, where every attempt's resume purges.
 logging.getLogger("tensorboard").setLevel(logging.ERROR)
@@ -115,15 +115,6 @@ def updates_logged(run_dir: str) -> list[int]:
         return [json.loads(line)["update"] for line in f if line.endswith("\n")]
 
 
-def limiting_file_size(limit: int):
-    """What a child runs before the script: no file it writes may grow beyond `limit` bytes (EFBIG, errno 27)."""
-
-    def set_limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return set_limit
-
-
 def write_log(log_prefix: str, codes: list[int], stdout: list[list[str]], stderr: list[list[str]]):
     """<log_prefix>.log: each process's exit status and output, for a look at an attempt after the soak."""
     with open(f"{log_prefix}.log", "w") as f:
@@ -153,6 +144,8 @@ class Processes:
             if rank == 0 and rank_0_fault:  # with_fault.py runs the script's main() itself (no supervisor)
                 command.insert(1, os.path.join(REPO, "tests", "with_fault.py"))
                 env["CLEANBA_FAULT"] = rank_0_fault
+            if rank == 0 and file_limit:
+                command = with_file_size_limit(command, file_limit)
             proc = subprocess.Popen(
                 command,
                 cwd=cwd,
@@ -162,7 +155,6 @@ class Processes:
                 stderr=subprocess.PIPE,
                 text=True,
                 start_new_session=True,
-                preexec_fn=limiting_file_size(file_limit) if rank == 0 and file_limit else None,
             )
             self.procs.append(proc)
             for stream, lines in ((proc.stdout, self.stdout[rank]), (proc.stderr, self.stderr[rank])):

@@ -13,13 +13,18 @@ The command's processes carry CLEANBA_SOAK_ATTEMPT=<attempts dir>/<name>, by whi
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def with_file_size_limit(command: list[str], limit: int) -> list[str]:
+    """The command under util-linux's prlimit: no file it writes may grow beyond `limit` bytes (EFBIG, errno 27, as
+    Python ignores SIGXFSZ). Not a preexec_fn, which runs JAX's fork hook (and its warning) in a parent that has it."""
+    return ["prlimit", f"--fsize={limit}", *command]
 
 
 def copy_lines(stream, path: str):  # line by line, flushed: the soak reads the file while the command runs
@@ -37,10 +42,11 @@ def main():
     prefix = os.path.join(attempts, f"{attempt['name']}.rank{rank}")
     env = dict(os.environ, PYTHONUNBUFFERED="1", CLEANBA_SOAK_ATTEMPT=prefix[: -len(f".rank{rank}")])
     env.pop("CLEANBA_FAULT", None)
-    limit = attempt["file_limit"] if rank == 0 else None
     if rank == 0 and attempt["rank_0_fault"]:  # with_fault.py runs the script's main() itself (no supervisor)
         command.insert(1, os.path.join(HERE, "with_fault.py"))
         env["CLEANBA_FAULT"] = attempt["rank_0_fault"]
+    if rank == 0 and attempt["file_limit"]:
+        command = with_file_size_limit(command, attempt["file_limit"])
     started = []  # the command, once started: SIGTERM and SIGINT are passed on to it, as the supervisor does
 
     def pass_on(signum, frame):
@@ -56,7 +62,6 @@ def main():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None,
     )
     started.append(child)
     copies = [

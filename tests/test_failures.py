@@ -8,7 +8,6 @@ Faults are injected by tests/with_fault.py (CLEANBA_FAULT=<actor|learner|nan|sig
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import socket
@@ -41,6 +40,7 @@ from helpers import (
     values,
     wait_for_updates,
 )
+from soak_task import with_file_size_limit
 
 LONG_CARTPOLE = [*CARTPOLE, "--total-timesteps", 2_000_000, "--log-frequency", 50]
 CHECKPOINT_FILES = ["checkpoint.msgpack", "checkpoint.1.msgpack"]  # the newest first (--keep-checkpoints 2)
@@ -266,14 +266,14 @@ def test_a_failed_checkpoint_write_stops_in_one_line_and_keeps_the_ones_before(t
         with open(os.path.join(run_dir, name), "rb") as f:
             written[name] = f.read()
     limit = len(written["checkpoint.msgpack"]) // 2  # the logs of 12 updates stay far below it
+    unlimited = command("ppo", [*flags, "--compilation-cache-dir", "None"], shared_cache=False)  # it writes there too
     limited = subprocess.run(
-        command("ppo", [*flags, "--compilation-cache-dir", "None"], shared_cache=False),  # it would write there too
+        with_file_size_limit(unlimited, limit),
         cwd=tmp_path,
         env=script_env(),
         capture_output=True,
         text=True,
         timeout=120,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
     )
     name = os.path.relpath(run_dir, tmp_path)
     expected = f"error: writing {name}/checkpoint.msgpack.tmp after update 8 failed ([Errno 27] File too large); "
