@@ -31,6 +31,12 @@ import traceback
 import warnings
 from typing import Annotated, NamedTuple, TypeVar
 
+# --distributed: hand over to cleanba/supervise.py (it runs this script as its child) before the slow imports below.
+if __name__ == "__main__" and "--distributed" in sys.argv[1:] and not os.environ.get("CLEANBA_SUPERVISED"):
+    supervisor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
+    if os.path.exists(supervisor):
+        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
+
 import envpool
 import flax
 import flax.linen as nn
@@ -584,9 +590,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
     S = args.num_steps // args.num_minibatches  # time steps of each env in a minibatch
     G = args.layout_free_group_size
     minibatch_key = jax.random.fold_in(jax.random.key(args.seed), MINIBATCHES)
-
-    # XLA:CPU runs a loop's gradient convolutions 3-10x slower (jax#12868): on a CPU the minibatch loops are unrolled.
-    # (unroll=True leaves a loop of one step in place: more steps than a loop has leave no loop.)
+    # jax#12868: XLA:CPU runs a loop's gradient convolutions 3-10x slower; on a CPU no loop is left (True leaves one).
     unroll = 2**31 - 1 if cfg.learner_devices[0].platform == "cpu" and networks.convolutional else 1
 
     def ppo_loss(params, mb, count):  # mb: (S, envs, ...)
@@ -1286,10 +1290,6 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
 
 
 if __name__ == "__main__":
-    # --distributed runs this as cleanba/supervise.py's child, which reports a lost process in one line.
-    supervisor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
-    if "--distributed" in sys.argv[1:] and not os.environ.get("CLEANBA_SUPERVISED") and os.path.exists(supervisor):
-        os.execv(sys.executable, [sys.executable, supervisor, *sys.orig_argv])  # interpreter flags included
     sys.stdout.reconfigure(line_buffering=True)  # progress lines reach log files (SLURM's) as they are printed
     try:
         main(tyro.cli(Args))
