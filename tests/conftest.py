@@ -24,6 +24,9 @@ from slurm_cluster import missing_tools, slurm_cluster
 # The tests' own process checks bad input and --help in-process, on three CPU devices like the layouts the
 # scripts run with in subprocesses (set before JAX starts its backend).
 jax.config.update("jax_num_cpu_devices", 3)
+# imageio-ffmpeg, which reads the videos back here, starts ffmpeg with a preexec_fn (keeping Ctrl-C from it) unless
+# told not to: in this process, whose JAX has started, that runs JAX's fork hook and its deadlock warning.
+os.environ["IMAGEIO_FFMPEG_NO_PREVENT_SIGINT"] = "1"
 
 
 def pytest_collection_modifyitems(items):
