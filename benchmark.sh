@@ -54,10 +54,11 @@
 #                            twice; layout-free on 1 and 2 actor threads); in docs/results/gpu/gpu_check.{json,md}
 #                            (--out DIR elsewhere; --help: the sizes, for a dry run on a CPU)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
-#                            levels, 64 envs x 256 steps) for 1M steps, stopped at 6 minutes (MINUTES=...); if it
-#                            finished, 20 episodes on its training levels and 20 on unseen ones; the curve and the
-#                            returns in docs/results/gpu/procgen/ (flags after the grid's name go to the script, e.g.
-#                            --total-timesteps; a command on the project's GPU machine runs 10 minutes at most)
+#                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
+#                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on
+#                            unseen ones; the curve and the returns in docs/results/gpu/procgen/ (flags after the
+#                            grid's name go to the script, e.g. --total-timesteps; a command on the project's GPU
+#                            machine runs 10 minutes at most)
 #
 # The 8-GPU and 2-node grids use 120 environments (2 actor devices or 2 nodes x 2 threads x 30), which
 # split evenly over 6 learner devices (20 each, 5 per IMPALA minibatch); 128 would not.
@@ -270,7 +271,7 @@ case "$grid" in
     $PYTHON tests/benchmarks/gpu_check.py "$@" ;;
   gpu-procgen)
     $PYTHON tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --minutes "${MINUTES:-6}" --evaluate 20 \
-      --out docs/results/gpu/procgen -- --local-num-envs 32 $PROCGEN_PPO --total-timesteps 1048576 --save-model "$@" ;;
+      --out docs/results/gpu/procgen -- --local-num-envs 32 $PROCGEN_PPO --total-timesteps 2621440 --save-model "$@" ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
     [ -z "$grid" ] && exit 0 || { echo "unknown grid: $grid" >&2; exit 2; } ;;

@@ -21,8 +21,8 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
    ops), the categorical's log-probability taken by a mask instead of take_along_axis (a scatter in its gradient);
    the time of each, and whether it gives the same parameters bit for bit (on a CPU both do).
 
-The first figures (docs/results/gpu/actor_step_impala_*.md) came from this file's first version (commit bfeecc9),
-when the script's ResNet had flax's max-pool and the variant was the strided one.
+The first figures (docs/results/gpu/actor_step_impala_*_bfeecc9.md) came from this file's first version (commit
+bfeecc9), when the script's ResNet had flax's max-pool and the variant was the strided one.
 """
 
 import argparse
