@@ -16,10 +16,11 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
    then with the learner's update dispatched one gradient step at a time, each waited for before the next, as a
    stand-in for an update split into per-minibatch programs (by_minibatch): how much of the actors' wait a shorter
    learner program would save;
-4. the learner's update alone, as the script has it and by minibatch, then with a part replaced (VARIANTS): the
-   ResNet's max-pool by flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with deterministic GPU
-   ops), the categorical's log-probability taken by a mask instead of take_along_axis (a scatter in its gradient);
-   the time of each, and whether it gives the same parameters bit for bit (on a CPU both do).
+4. the learner's update alone, as the script has it and by minibatch; one gradient step in parts (forward,
+   gradient, with the optimiser, with bfloat16 products: gradient_step_parts); then the update with a part replaced
+   (VARIANTS): the ResNet's max-pool by flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with
+   deterministic GPU ops), the categorical's log-probability taken by a mask instead of take_along_axis (a scatter in
+   its gradient); the time of each, and whether it gives the same parameters bit for bit (on a CPU both do).
 
 The first figures (docs/results/gpu/actor_step_impala_*_bfeecc9.md) came from this file's first version (commit
 bfeecc9), when the script's ResNet had flax's max-pool and the variant was the strided one.
@@ -194,6 +195,8 @@ def with_one_hot_log_prob(algo):  # returns what undoes it (PQN has no categoric
 VARIANTS = [("flax max-pool", with_flax_max_pool), ("one-hot log-probability", with_one_hot_log_prob)]
 
 
+GRADIENT_STEP_PARTS = ["forward", "gradient", "gradient_and_optimiser", "gradient_bfloat16"]
+
 LOOPS = [  # name, observe and act fused, with which learner
     ("two calls", False, None),
     ("fused", True, None),
@@ -239,6 +242,50 @@ def by_minibatch(algo, args, networks, state) -> Learner:
     return Learner(algo, small, networks, state, minibatches)
 
 
+def gradient_step_parts(algo, args, networks, state, batch, seconds: float) -> dict:
+    """Where a gradient step's time goes, on one minibatch of the script's shape (from the first learner device's part
+    of the batch): the networks' forward pass; the gradient of a loss through all their outputs (forward and
+    backward: the script's losses add little to it); that and the optimiser's step; the gradient again with bfloat16
+    matrix products and convolutions (what a lower precision would buy). Median seconds per call."""
+    local = jax.tree.map(lambda x: x[0], batch)  # host arrays: (T or T + 1, envs, ...)
+    envs = local["valid"].shape[1]
+    steps = args.num_steps
+    if hasattr(args, "update_epochs"):  # PPO's and PQN's minibatches split the steps, IMPALA's the envs
+        steps //= args.num_minibatches
+    else:
+        envs //= args.num_minibatches
+    obs = jax.tree.map(lambda x: x[:steps, :envs], local["obs"])
+    core = local["core_states"][0, :envs]
+    reset_after = jnp.zeros((steps, envs), bool)
+    replica = jax.tree.map(lambda x: x.addressable_data(0)[0], state)
+
+    def forward(params):
+        return algo.forward(networks, params, obs, core, reset_after)
+
+    def loss(params):
+        outputs = jax.tree.leaves(forward(params))
+        return sum(jnp.sum(jnp.square(x)) for x in outputs if jnp.issubdtype(x.dtype, jnp.floating))
+
+    def step(train_state):
+        return train_state.apply_gradients(grads=jax.grad(loss)(train_state.params))
+
+    def bfloat16_gradient(params):
+        with jax.default_matmul_precision("bfloat16"):
+            return jax.grad(loss)(params)
+
+    parts = dict(forward=forward, gradient=jax.grad(loss), gradient_bfloat16=bfloat16_gradient)
+    calls = {name: functools.partial(jax.jit(f), replica.params) for name, f in parts.items()}
+    calls["gradient_and_optimiser"] = functools.partial(jax.jit(step), replica)
+    report = dict(frames=steps * envs)
+    for name, call in calls.items():
+
+        def waited(call=call):
+            jax.block_until_ready(call())
+
+        report[name] = throughput.timed_calls(waited, seconds, 5)[1]
+    return report
+
+
 def markdown(report: dict) -> str:
     ops = "deterministic" if report["deterministic_gpu"] else "non-deterministic"
     lines = [
@@ -266,6 +313,10 @@ def markdown(report: dict) -> str:
             if name in ("update", "update by minibatch"):
                 first = "compiling"
             lines.append(f"\n{name}: {r['median_s']:.4f} s per update (the first, {first}: {r['first_s']:.1f} s){same}")
+    if "gradient step" in report:
+        r = report["gradient step"]
+        ms = ", ".join(f"{name.replace('_', ' ')} {1000 * r[name]:.1f}" for name in GRADIENT_STEP_PARTS)
+        lines.append(f"\na gradient step on a minibatch of {r['frames']:,} frames, ms: {ms}")
     return "\n".join(lines) + "\n"
 
 
@@ -319,6 +370,8 @@ def main():
     learner_by_minibatch = by_minibatch(algo, args, networks, state)
     first_s, update_s = throughput.timed_calls(learner_by_minibatch, opts.seconds, 3)
     report["update by minibatch"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
+    save()
+    report["gradient step"] = gradient_step_parts(algo, args, networks, state, learner.batch, opts.seconds)
     save()
     learners = {None: None, "update": learner, "by minibatch": learner_by_minibatch}
     pools = pools_of(algo, args)
