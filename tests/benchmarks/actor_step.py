@@ -225,13 +225,17 @@ class Learner:
             self.state = new_state
 
 
+def minibatches_split_steps(args) -> bool:  # PPO's and PQN's minibatches split the steps (epochs), IMPALA's the envs
+    return hasattr(args, "update_epochs")
+
+
 def by_minibatch(algo, args, networks, state) -> Learner:
     """An update as one program per gradient step (M minibatches x epochs of them), a timing stand-in for the
     script's update split into per-minibatch programs (not its arithmetic): the update built for one minibatch's
     shape and one epoch, called once per gradient step. IMPALA's minibatches split the envs; PPO's and PQN's the
     steps (each piece then also computes its own, shorter, advantages or targets)."""
     minibatches = args.num_minibatches
-    if hasattr(args, "update_epochs"):
+    if minibatches_split_steps(args):
         small = dataclasses.replace(args, num_steps=args.num_steps // minibatches, update_epochs=1)
         return Learner(
             algo, dataclasses.replace(small, num_minibatches=1), networks, state, minibatches * args.update_epochs
@@ -250,7 +254,7 @@ def gradient_step_parts(algo, args, networks, state, batch, seconds: float) -> d
     local = jax.tree.map(lambda x: x[0], batch)  # host arrays: (T or T + 1, envs, ...)
     envs = local["valid"].shape[1]
     steps = args.num_steps
-    if hasattr(args, "update_epochs"):  # PPO's and PQN's minibatches split the steps, IMPALA's the envs
+    if minibatches_split_steps(args):
         steps //= args.num_minibatches
     else:
         envs //= args.num_minibatches
