@@ -9,16 +9,15 @@ The Cleanba architecture (Huang et al., 2023): actor threads and the learner are
 The actor skips fetching parameters at iteration 2, so from then on the learner at version v trains on data of
 version v-1 while the actor already collects the next batch; V-trace (Espeholt et al., 2018) corrects for that lag
 with the behaviour policy's log-probabilities recorded by the actor. `--no-concurrency` is the synchronous variant.
-
-Reproducibility: every environment has a global index g (over processes, actor devices, threads, envs); it is
-seeded from (seed, g), actions from (g, step), minibatches from (seed, update, g), and statistics are over the
-global minibatch. So the same seed gives the same batches on 1 device or many (continuous actions part in the last
-bits from update 2), and the same losses up to float reassociation; bit for bit with --layout-free-group-size.
+Every environment has a global index g, and everything random is keyed by g, never by the device or thread that
+holds it: the same seed gives the same batches on 1 device or many (continuous actions part in the last bits from
+update 2), and the same losses up to float reassociation; bit for bit with --layout-free-group-size.
 """
 
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import importlib
 import json
@@ -54,6 +53,7 @@ from tensorboardX import SummaryWriter
 
 # EnvPool's classic-control specs declare float64 bounds: gymnasium warns, once per env, of nothing that matters.
 warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered", module="gymnasium")
+gc.freeze()  # the imports' objects live to the end: the garbage collector's full passes, and exit's, skip them
 
 T = TypeVar("T")
 # Each field of Args says what it is (tests/test_scripts.py fails on a field that does not):

@@ -16,6 +16,7 @@ bits from update 2), and the same losses up to float reassociation; bit for bit 
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import importlib
 import json
@@ -51,6 +52,7 @@ from tensorboardX import SummaryWriter
 
 # EnvPool's classic-control specs declare float64 bounds: gymnasium warns, once per env, of nothing that matters.
 warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered", module="gymnasium")
+gc.freeze()  # the imports' objects live to the end: the garbage collector's full passes, and exit's, skip them
 
 T = TypeVar("T")
 # Each field of Args says what it is (tests/test_scripts.py fails on a field that does not):
