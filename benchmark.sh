@@ -53,6 +53,10 @@
 #                            and IMPALA's --env-pools 1 and 4), and whether PPO reruns bit for bit (the same command
 #                            twice; layout-free on 1 and 2 actor threads); in docs/results/gpu/gpu_check.{json,md}
 #                            (--out DIR elsewhere; --help: the sizes, for a dry run on a CPU)
+#   gpu-profile              on this machine's GPU: where each script's update at its Atari defaults (Breakout-v5)
+#                            spends the device's time, by part of the network and pass (forward, backward), from JAX's
+#                            profiler (~1 minute a script); in docs/results/gpu/update_trace_<algo>_det.{json,md} (--out
+#                            DIR elsewhere; --no-deterministic-gpu: without XLA's deterministic ops)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on
@@ -269,6 +273,10 @@ case "$grid" in
     $PYTHON tests/benchmarks/learning.py --env-id Breakout-v5 --minutes 3.5 --out results/gpu_learning "$@" ;;
   gpu-check)
     $PYTHON tests/benchmarks/gpu_check.py "$@" ;;
+  gpu-profile)
+    failed=0  # each script's profile, whatever became of the one before
+    for algo in ppo impala pqn; do $PYTHON tests/benchmarks/device_trace.py --algo "$algo" "$@" || failed=1; done
+    exit $failed ;;
   gpu-procgen)
     $PYTHON tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --minutes "${MINUTES:-6}" --evaluate 20 \
       --out docs/results/gpu/procgen -- --local-num-envs 32 $PROCGEN_PPO --total-timesteps 2621440 --save-model "$@" ;;
