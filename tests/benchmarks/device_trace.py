@@ -91,7 +91,7 @@ def part_of(op_name: str) -> tuple[str, str]:
     """(pass, part) of a JAX op_name: backward when it is under a transpose (the gradient), the flax module path and
     the primitive; outside any module, the last three names of the path (the loss, the optimiser, the advantages)."""
     names = [n.replace(".<locals>.", ".") for n in re.split(r"[/()]", op_name) if n]
-    pass_name = "backward" if "transpose" in names else "forward"
+    pass_name = "backward" if "transpose(" in op_name else "forward"  # the transformation, not the primitive
     modules = [n for n in names if MODULE_NAME.match(n)]
     if modules:
         return pass_name, "/".join(modules) + " " + names[-1]
