@@ -56,7 +56,8 @@
 #   gpu-profile              on this machine's GPU: where each script's update at its Atari defaults (Breakout-v5)
 #                            spends the device's time, by part of the network and pass (forward, backward), from JAX's
 #                            profiler (~1 minute a script); in docs/results/gpu/update_trace_<algo>_det.{json,md} (--out
-#                            DIR elsewhere; --no-deterministic-gpu: without XLA's deterministic ops)
+#                            DIR elsewhere; --raw-out DIR: the programs and traces too; --no-deterministic-gpu: without
+#                            XLA's deterministic ops)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on

@@ -19,9 +19,9 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
 4. the learner's update alone, as the script has it and by minibatch; one gradient step in parts (forward,
    gradient, with the optimiser, with bfloat16 products: gradient_step_parts); then the update with a part replaced
    (VARIANTS): the ResNet's max-pool by flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with
-   deterministic GPU ops), or by one whose gradient is written out elementwise; the categorical's log-probability
-   taken by a mask instead of take_along_axis (a scatter in its gradient); the time of each, and whether it gives the
-   same parameters bit for bit (on a CPU all do).
+   deterministic GPU ops), or by one computed as a running maximum with its gradient written out; the categorical's
+   log-probability taken by a mask instead of take_along_axis (a scatter in its gradient); the time of each, and
+   whether it gives the same parameters bit for bit (on a CPU all do).
 
 The first figures (docs/results/gpu/actor_step_impala_*_bfeecc9.md) came from this file's first version (commit
 bfeecc9), when the script's ResNet had flax's max-pool and the variant was the strided one.
@@ -171,28 +171,28 @@ def flax_max_pool(x):
 
 
 @jax.custom_vjp
-def elementwise_max_pool(x):
-    """The scripts' max-pool (the same values and gradient bits on a CPU) with its gradient written out elementwise,
-    no padded full-size array per window offset: on a CPU the scripts' Breakout update takes 8-23% less time."""
-    return elementwise_max_pool_forward(x)[0]
+def running_max_pool(x):
+    """The scripts' max-pool, the same values and gradient bits (on a CPU), computed otherwise: the maxima as a running
+    comparison of the 9 windows (not a stack of them and its argmax), the gradient written out (not padded full-size
+    arrays, one per window offset, added up). A reverse-mode derivative only (custom_vjp), as the update needs."""
+    return running_max_pool_forward(x)[0]
 
 
-def elementwise_max_pool_forward(
-    x,
-):  # the maxima, and which of a window's 9 offsets (3 x row + column) holds each first
+def running_max_pool_forward(x):
+    """The maxima, and which of a window's 9 offsets (3 x row + column) holds each one first (a NaN, as argmax's)."""
     padded = jnp.pad(x, [(0, 0), (x.shape[1] % 2, 1), (x.shape[2] % 2, 1), (0, 0)], constant_values=-jnp.inf)
     rows, columns = padded.shape[1] - 2, padded.shape[2] - 2
     windows = [padded[:, i : rows + i : 2, j : columns + j : 2] for i in range(3) for j in range(3)]
     maxima = windows[0]
     first = jnp.zeros(maxima.shape, jnp.int8)
     for offset, window in enumerate(windows):
-        larger = window > maxima  # strictly: a tie keeps the earlier offset
+        larger = (window > maxima) | (jnp.isnan(window) & ~jnp.isnan(maxima))  # strictly: a tie keeps the earlier
         maxima = jnp.where(larger, window, maxima)
         first = jnp.where(larger, jnp.int8(offset), first)
     return maxima, (first, x.shape)
 
 
-def elementwise_max_pool_backward(residuals, grad):
+def running_max_pool_backward(residuals, grad):
     """The padded input as 2 x 2 interleaved grids (row parity, column parity) one larger than the windows' grid:
     offset (i, j) of window (r, c) is on grid (i % 2, j % 2) at (r + i // 2, c + j // 2). Each grid adds its offsets
     in the order automatic differentiation of the scripts' 9 slices does (the last first): the same bits."""
@@ -214,7 +214,7 @@ def elementwise_max_pool_backward(residuals, grad):
     return (padded[:, top : top + shape[1], left : left + shape[2]],)
 
 
-elementwise_max_pool.defvjp(elementwise_max_pool_forward, elementwise_max_pool_backward)
+running_max_pool.defvjp(running_max_pool_forward, running_max_pool_backward)
 
 
 def with_max_pool(replacement):  # a patch: returns what undoes it
@@ -245,7 +245,7 @@ def with_one_hot_log_prob(algo):  # returns what undoes it (PQN has no categoric
 # same bits (on a CPU all do).
 VARIANTS = [
     ("flax max-pool", with_max_pool(flax_max_pool)),
-    ("elementwise max-pool gradient", with_max_pool(elementwise_max_pool)),
+    ("running max-pool, gradient written out", with_max_pool(running_max_pool)),
     ("one-hot log-probability", with_one_hot_log_prob),
 ]
 

@@ -1,19 +1,22 @@
 """Where the learner's update spends the device's time: JAX's profiler around a few updates, the device's events summed
 by the part of the network (or of the loss) that each computes, read from the optimised program's metadata.
 
-    source .gpu/env.sh && PYTHON=python3 bash benchmark.sh gpu-profile --out "$OUT"   # the three, on the GPU machine
-    python tests/benchmarks/device_trace.py --algo ppo --out /tmp/trace --calls 1 -- --local-num-envs 8 --num-steps 8
+    source .gpu/env.sh && PYTHON=python3 bash benchmark.sh gpu-profile --out "$OUT" --raw-out "$OUT/raw"   # GPU machine
+    python tests/benchmarks/device_trace.py --algo ppo --out /tmp/trace --calls 1 -- --local-num-envs 8 --num-steps 8 \\
+        --num-actor-threads 1   # on a CPU
 
 A script's defaults (PPO's by default, Breakout-v5), with XLA's deterministic GPU ops as the script sets them
-(--no-deterministic-gpu: off). The update runs on a batch of the script's own actors, is compiled and run once untimed,
-then --calls times under the profiler. On a GPU the events are the CUDA kernels and copies on the device's streams
-(CUPTI; kernels that XLA launches as a CUDA graph may carry no operation's name, only their own, which is then mapped
-to the fusion it was named after; XLA_FLAGS=--xla_gpu_enable_command_buffer= turns the graphs off); on a CPU, XLA's
-operations on its threads. Each event is named by its XLA operation (a fusion, a cuDNN
-convolution); the optimised HLO gives that operation's source: the flax module path (ResNet/Conv_3), the primitive
-(conv_general_dilated) and the pass (forward, or backward when under a transpose). Written to --out:
-update_trace_<algo>_<det|nondet>.json (the summary, and a few raw events to show the trace's format), .md (the tables)
-and .hlo.txt.gz (the optimised program, to read an operation in full).
+(--no-deterministic-gpu: off). The update runs on a batch of the script's own actors, once untimed (it compiles), then
+--calls times under the profiler. On a GPU the events are the CUDA kernels and copies on the device's streams (CUPTI);
+on a CPU, XLA's operations on the host's threads (a loop's event, which holds its body's, is left out). Each event is
+named by its XLA operation (a fusion, a cuDNN convolution; the innermost one a kernel's annotations name, else the
+kernel's own name); the optimised HLO gives that operation's source: the flax module path (ResNet/Conv_3), the
+primitive (conv_general_dilated) and the pass: forward (under jvp), backward (under transpose), or outside the gradient
+(the advantages, the optimiser). Some operations have no source (XLA's CPU convolutions, YNN fusions): they are
+counted by their kind. Written to --out: update_trace_<algo>_<det|nondet>.json (the summary, and a few raw events of
+each line of the trace, to show its format) and .md (the tables); to --raw-out, if given, the optimised program
+(.hlo.txt.gz, to read an operation in full) and the trace itself (.perfetto.json.gz, for ui.perfetto.dev). Exit status
+1 when the trace holds no event of the device (on a GPU: CUPTI missing).
 """
 
 import argparse
@@ -23,6 +26,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -37,17 +41,25 @@ import actor_step  # noqa: E402
 #   %fused_computation.12 (param_0: f32[64,42,42,16]) -> f32[64,42,42,16] {
 #   %fusion.12 = f32[64,42,42,16]{...} fusion(...), kind=kLoop, calls=%fused_computation.12, metadata={op_name="..."}
 COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{$")
-INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+) = ")
+INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+) = ")
 CALLS = re.compile(r"calls=%?([\w.\-]+)")
 OP_NAME = re.compile(r"metadata=\{[^}]*?op_name=\"([^\"]*)\"")
-KEPT_ROWS = 80  # of each table, in the JSON
+CONTROL_FLOW = re.compile(r"\s(?:while|call|conditional)\(")  # on a CPU their events hold their bodies' events
 MODULE_NAME = re.compile(r"^[A-Z]\w*$")  # flax's module names: ResNet, Conv_3, Dense_0, LayerNorm_1, LSTMCore_0
+# The names of JAX's transformations and XLA's control flow in an op_name: not where in the program an operation is.
+WRAPPERS = {"jit", "pmap", "_fun", "main", "closed_call", "eval_jaxpr", "while", "body", "cond", "vmap", "jvp"}
+KEPT_ROWS = 80  # of each table, in the JSON
 
 
-def sources_of(hlo_text: str) -> dict:
-    """Each instruction's name in the optimised HLO -> the op_name of its metadata (its JAX source); for a fusion
-    without one, that of the first instruction inside it that has one."""
-    sources, calls, first_inside = {}, {}, {}
+def normal(name: str) -> str:  # kernels are named after their operation with "_" for "." and "-": fusion_3, fusion.3
+    return re.sub(r"\W", "_", name)
+
+
+def parse_hlo(hlo_text: str) -> tuple[dict, set]:
+    """(each instruction's name, normalised -> the op_name of its metadata (its JAX source), the control-flow
+    instructions). A fusion without metadata takes that of its computation's root, else of the first instruction in it
+    that has one."""
+    sources, calls, inside, control_flow = {}, {}, {}, set()
     computation = None
     for line in hlo_text.splitlines():
         match = COMPUTATION.match(line)
@@ -57,125 +69,127 @@ def sources_of(hlo_text: str) -> dict:
         match = INSTRUCTION.match(line)
         if not match:
             continue
+        is_root, name = match.groups()
         op_name = OP_NAME.search(line)
         if op_name:
-            sources[match.group(1)] = op_name.group(1)
-            first_inside.setdefault(computation, op_name.group(1))
+            sources[normal(name)] = op_name.group(1)
+            if is_root or computation not in inside:
+                inside[computation] = op_name.group(1)
         called = CALLS.search(line)
         if called:
-            calls[match.group(1)] = called.group(1)
+            calls[normal(name)] = called.group(1)
+        if CONTROL_FLOW.search(line):
+            control_flow.add(normal(name))
     for instruction, computation in calls.items():
-        if instruction not in sources and computation in first_inside:
-            sources[instruction] = first_inside[computation]
-    return sources
-
-
-# The names of JAX's transformations and XLA's control flow in an op_name: not where in the program an operation is.
-WRAPPERS = {
-    "jit",
-    "pmap",
-    "_fun",
-    "main",
-    "closed_call",
-    "eval_jaxpr",
-    "while",
-    "body",
-    "cond",
-    "vmap",
-    "jvp",
-    "transpose",
-}
+        if instruction not in sources and computation in inside:
+            sources[instruction] = inside[computation]
+    return sources, control_flow
 
 
 def part_of(op_name: str) -> tuple[str, str]:
-    """(pass, part) of a JAX op_name: backward when it is under a transpose (the gradient), the flax module path and
-    the primitive; outside any module, the last three names of the path (the loss, the optimiser, the advantages)."""
+    """(pass, part) of a JAX op_name: the flax module path and the primitive; outside any module, the last names of the
+    path (the loss, the optimiser, the advantages). The pass: backward under transpose(...) (the transformation, not
+    the primitive: the ResNet's input transpose is forward), forward under jvp(...), else outside the gradient."""
     names = [n.replace(".<locals>.", ".") for n in re.split(r"[/()]", op_name) if n]
-    pass_name = "backward" if "transpose(" in op_name else "forward"  # the transformation, not the primitive
+    pass_name = "outside the gradient"
+    if "transpose(" in op_name:
+        pass_name = "backward"
+    elif "jvp(" in op_name:
+        pass_name = "forward"
     modules = [n for n in names if MODULE_NAME.match(n)]
     if modules:
         return pass_name, "/".join(modules) + " " + names[-1]
-    return pass_name, "/".join([n for n in names if n not in WRAPPERS][-3:])
+    where = [n for n in names if n not in WRAPPERS][-3:] or names[-1:]
+    return pass_name, "/".join(where)
 
 
-def device_events(trace: dict) -> tuple[list, str, dict]:
-    """The events of the device's work, where they were found, and every line of the device seen (events, ms), to
-    check the choice against. On a GPU: the complete events on the lines of its streams (kernels, copies), not the lines
-    derived from them (XLA Ops, XLA Modules) that repeat them; on a CPU: XLA's operations (events named by their
-    hlo_op), which the CPU's runtime records on its threads."""
+def device_events(trace: dict, platform: str) -> tuple[list, str, dict]:
+    """The events of the device's work, where they were found, and every line of the trace's device (or host) seen:
+    its events, their ms and two of them raw, to check the choice against. On a GPU: the complete events on the lines
+    of its streams (kernels, copies), not the lines derived from them (XLA Ops, XLA Modules) that repeat them; on a
+    CPU: XLA's operations (events named by their hlo_op), which its runtime records on the host's threads."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {
         (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
     }
-    gpus = {pid for pid, name in processes.items() if "/device:GPU" in name}
-    complete = [e for e in events if e.get("ph") == "X"]
-    if not gpus:
-        ops = [e for e in complete if e.get("args", {}).get("hlo_op") == e.get("name")]
-        return ops, "CPU: XLA's operations on the host's threads", {}
-    lines = collections.defaultdict(lambda: [0, 0.0])
+
+    def row(e):  # a line of the trace viewer: process / thread
+        return f"{processes.get(e['pid'], e['pid'])} / {threads.get((e['pid'], e['tid']), e['tid'])}"
+
+    devices = {pid for pid, name in processes.items() if "/device:GPU" in name}
+    complete = [e for e in events if e.get("ph") == "X" and (platform == "cpu" or e["pid"] in devices)]
+    rows = collections.defaultdict(lambda: dict(events=0, ms=0.0, samples=[]))
     for e in complete:
-        if e["pid"] in gpus:
-            line = f"{processes[e['pid']]} / {threads.get((e['pid'], e['tid']), e['tid'])}"
-            lines[line][0] += 1
-            lines[line][1] += e["dur"] / 1000
-    streams = {line for line in lines if "stream" in line.split(" / ")[-1].lower()}
+        seen = rows[row(e)]
+        seen["events"] += 1
+        seen["ms"] += e.get("dur", 0) / 1000
+        if len(seen["samples"]) < 2:
+            seen["samples"].append(e)
+    if platform == "cpu":
+        ops = [e for e in complete if e.get("args", {}).get("hlo_op") == e.get("name")]
+        return ops, "CPU: XLA's operations on the host's threads", dict(rows)
+    streams = {name for name in rows if "stream" in name.split(" / ")[-1].lower()}
     if not streams:  # another naming of the lines: all but the derived ones
-        streams = {line for line in lines if not re.search(r"XLA|Steps|Launch|Framework|Source", line)}
-    on_streams = [
-        e
-        for e in complete
-        if e["pid"] in gpus and f"{processes[e['pid']]} / {threads.get((e['pid'], e['tid']), e['tid'])}" in streams
-    ]
-    seen = {line: dict(events=n, ms=round(ms, 3)) for line, (n, ms) in lines.items()}
-    return on_streams, "GPU: " + ", ".join(sorted(streams)), seen
+        streams = {name for name in rows if not re.search(r"XLA|Steps|Launch|Framework|Source", name)}
+    return [e for e in complete if row(e) in streams], "GPU: " + (", ".join(sorted(streams)) or "none"), dict(rows)
 
 
 def op_of(event: dict) -> str:
-    """The XLA operation an event ran: its hlo_op, as an argument of its own or inside an annotation; else its name."""
+    """The XLA operation an event ran: its hlo_op argument; else the innermost hlo_op of its annotations (a kernel in
+    a while loop is annotated with the loop, then with its own operation); else its name."""
     args = event.get("args", {})
     if "hlo_op" in args:
         return args["hlo_op"]
-    for value in args.values():
-        match = isinstance(value, str) and re.search(r"hlo_op=([\w.\-]+)", value)
-        if match:
-            return match.group(1)
-    return event["name"]
+    named = [op for value in args.values() if isinstance(value, str) for op in re.findall(r"hlo_op=([\w.\-]+)", value)]
+    return named[-1] if named else event["name"]
 
 
-def summarize(events: list, sources: dict, calls: int, wall_s: float) -> dict:
-    """Device time per update by part of the program and by XLA operation, in ms, with each one's share."""
+def busy_ms(events: list) -> float:
+    """The time in which at least one of the events ran: their intervals' union (streams and threads overlap)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1000
+
+
+def summarize(events: list, sources: dict, control_flow: set, calls: int, wall_s: float) -> dict:
+    """Per update, ms: the events' time by part of the program and by XLA operation, each with its share of their sum;
+    the sum itself and the time the device was busy (the union); how many events and how many had no source."""
+    events = [e for e in events if normal(op_of(e)) not in control_flow]
     by_part = collections.defaultdict(lambda: dict(ms=0.0, events=0))
     by_op = collections.defaultdict(lambda: dict(ms=0.0, events=0, kernel=None, part=None))
-    busy_us = 0.0
-    unmatched = 0
+    without_source = 0
     for e in events:
         op = op_of(e)
-        source = sources.get(op) or sources.get(re.sub(r"_(\d+)$", r".\1", op))  # a kernel named fusion_3: fusion.3
-        unmatched += source is None
+        source = sources.get(normal(op))
+        without_source += source is None
         pass_name, part = part_of(source) if source else ("?", f"{op.split('.')[0]} (no source in the HLO)")
-        busy_us += e["dur"]
-        by_part[(pass_name, part)]["ms"] += e["dur"] / 1000 / calls
+        ms = e.get("dur", 0) / 1000 / calls
+        by_part[(pass_name, part)]["ms"] += ms
         by_part[(pass_name, part)]["events"] += 1
-        row = by_op[op]
-        row["ms"] += e["dur"] / 1000 / calls
-        row["events"] += 1
-        row["kernel"] = row["kernel"] or e["name"]
-        row["part"] = f"{pass_name}: {part}"
-    busy_ms = max(busy_us / 1000 / calls, 1e-9)  # no events (no CUPTI on a GPU machine): every share 0
+        by_op[op]["ms"] += ms
+        by_op[op]["events"] += 1
+        by_op[op]["kernel"] = by_op[op]["kernel"] or e["name"]
+        by_op[op]["part"] = f"{pass_name}: {part}"
+    summed = sum(r["ms"] for r in by_part.values())
+    share = 1 / summed if summed else 0.0
     parts = [
-        dict(pass_=p, part=part, ms=r["ms"], share=r["ms"] / busy_ms, events_per_update=r["events"] / calls)
+        {"pass": p, "part": part, "ms": r["ms"], "share": r["ms"] * share, "events_per_update": r["events"] / calls}
         for (p, part), r in by_part.items()
     ]
-    ops = [dict(op=op, share=r["ms"] / busy_ms, **r) for op, r in by_op.items()]
+    ops = [dict(op=op, share=r["ms"] * share, **r) for op, r in by_op.items()]
     passes = collections.Counter()
-    for row in parts:
-        passes[row["pass_"]] += row["ms"]
+    for r in parts:
+        passes[r["pass"]] += r["ms"]
     return dict(
         wall_ms_per_update=1000 * wall_s / calls,
-        device_busy_ms_per_update=busy_ms,
+        summed_ms_per_update=summed,
+        busy_ms_per_update=busy_ms(events) / calls,
         events_per_update=len(events) / calls,
-        events_without_source=unmatched,
+        events_without_source=without_source,
         ms_by_pass=dict(passes),
         parts=sorted(parts, key=lambda r: -r["ms"])[:KEPT_ROWS],
         ops=sorted(ops, key=lambda r: -r["ms"])[:KEPT_ROWS],
@@ -186,21 +200,21 @@ def markdown(report: dict, rows: int = 25) -> str:
     s = report["summary"]
     ops = "deterministic" if report["deterministic_gpu"] else "non-deterministic"
     passes = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(s["ms_by_pass"].items(), key=lambda kv: -kv[1]))
-    wall, busy = s["wall_ms_per_update"], s["device_busy_ms_per_update"]
+    wall, busy = s["wall_ms_per_update"], s["busy_ms_per_update"]
+    events, without_source = s["events_per_update"], s["events_without_source"] / report["calls"]
     lines = [
         f"{report['device']}, {report['cores']} CPU cores, JAX {report['jax']}, {report['date']}; {report['algo']}'s "
         f"update on {report['env_id']}, {report['batch_steps']:,} steps, {ops} GPU ops; {report['calls']} updates",
         "",
-        f"Per update: **{wall:.1f} ms** wall, the device busy {busy:.1f} ms ({busy / wall:.0%}) in "
-        f"{s['events_per_update']:,.0f} events ({report['events_found_on']}); by pass, ms: {passes}",
+        f"Per update: **{wall:.1f} ms** wall; the device busy {busy:.1f} ms ({busy / wall:.0%}); its events "
+        f"{s['summed_ms_per_update']:.1f} ms in all, {events:,.0f} of them ({without_source:,.0f} without a source), "
+        f"on {report['events_found_on']}; by pass, ms: {passes}",
         "",
         "| pass | part of the program | ms per update | share | events per update |",
         "|---|---|---|---|---|",
     ]
     for r in s["parts"][:rows]:
-        lines.append(
-            f"| {r['pass_']} | {r['part']} | {r['ms']:.2f} | {r['share']:.1%} | {r['events_per_update']:.0f} |"
-        )
+        lines.append(f"| {r['pass']} | {r['part']} | {r['ms']:.2f} | {r['share']:.1%} | {r['events_per_update']:.0f} |")
     lines += ["", "| XLA operation | first kernel | part | ms per update | share |", "|---|---|---|---|---|"]
     for r in s["ops"][:rows]:
         kernel = r["kernel"] if len(r["kernel"]) <= 60 else r["kernel"][:57] + "..."
@@ -208,23 +222,26 @@ def markdown(report: dict, rows: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
+def positive(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError("at least 1")
+    return int(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--out", default="docs/results/gpu", help="for update_trace_<algo>_<det|nondet>.json, .md, .hlo.txt.gz"
-    )
-    parser.add_argument("--calls", type=int, default=3, help="updates traced")
+    parser.add_argument("--out", default="docs/results/gpu", help="for update_trace_<algo>_<det|nondet>.json and .md")
+    parser.add_argument("--raw-out", help="for the optimised program (.hlo.txt.gz) and the trace (.perfetto.json.gz)")
+    parser.add_argument("--calls", type=positive, default=3, help="updates traced")
     actor_step.add_script_options(parser, "ppo")
     opts = parser.parse_args()
     algo, args, cfg, networks, state = actor_step.script_and_state(opts)
     learner = actor_step.Learner(algo, args, networks, state)
     learner()  # compiles
-    learner()
     name = f"update_trace_{opts.algo}_{'nondet' if opts.no_deterministic_gpu else 'det'}"
-    os.makedirs(opts.out, exist_ok=True)
-    hlo_text = learner.update_fn.lower(learner.state, learner.batch, 1).compile().as_text()
-    with gzip.open(os.path.join(opts.out, f"{name}.hlo.txt.gz"), "wt") as f:
-        f.write(hlo_text)
+    for directory in filter(None, [opts.out, opts.raw_out]):
+        os.makedirs(directory, exist_ok=True)
+    platform = cfg.learner_devices[0].platform
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
             start = time.perf_counter()
@@ -232,23 +249,34 @@ def main():
                 learner()
             wall_s = time.perf_counter() - start
         [path] = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+        if opts.raw_out:
+            shutil.copyfile(path, os.path.join(opts.raw_out, f"{name}.perfetto.json.gz"))
         with gzip.open(path) as f:
-            trace = json.load(f)
-    events, found_on, lines_seen = device_events(trace)
+            events, found_on, rows_seen = device_events(json.load(f), platform)
+    try:  # the program's text (compiled again, after the trace): without it the events are counted by operation only
+        hlo_text = learner.update_fn.lower(learner.state, learner.batch, 1).compile().as_text()
+    except Exception as error:
+        print(f"device_trace.py: no optimised HLO ({error!r}); the parts are the operations' kinds", file=sys.stderr)
+        hlo_text = ""
+    if opts.raw_out and hlo_text:
+        with gzip.open(os.path.join(opts.raw_out, f"{name}.hlo.txt.gz"), "wt") as f:
+            f.write(hlo_text)
     report = dict(
         **actor_step.what_ran(cfg.learner_devices[0], opts, args),
         batch_steps=cfg.batch_size,
         calls=opts.calls,
         events_found_on=found_on,
-        summary=summarize(events, sources_of(hlo_text), opts.calls, wall_s),
-        device_lines_seen=lines_seen,
-        event_samples=events[:5],
+        summary=summarize(events, *parse_hlo(hlo_text), opts.calls, wall_s),
+        rows_seen=rows_seen,
     )
     with open(os.path.join(opts.out, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=2)
     with open(os.path.join(opts.out, f"{name}.md"), "w") as f:
         f.write(markdown(report))
     print(markdown(report))
+    if not events:
+        print(f"device_trace.py: no event of the device in the trace ({found_on}); its lines: {list(rows_seen)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":
