@@ -8,7 +8,8 @@ by the part of the network (or of the loss) that each computes, read from the op
 A script's defaults (PPO's by default, Breakout-v5), with XLA's deterministic GPU ops as the script sets them
 (--no-deterministic-gpu: off). The update runs on a batch of the script's own actors, once untimed (it compiles), then
 --calls times under the profiler. On a GPU the events are the CUDA kernels and copies on the device's streams (CUPTI);
-on a CPU, XLA's operations on the host's threads (a loop's event, which holds its body's, is left out). Each event is
+on a CPU, XLA's operations on the host's threads (a loop's event, which holds its body's, is left out), which run side
+by side: there a part's share is of the events' summed time, not of the wall time. Each event is
 named by its XLA operation (a fusion, a cuDNN convolution; the innermost one a kernel's annotations name, else the
 kernel's own name); the optimised HLO gives that operation's source: the flax module path (ResNet/Conv_3), the
 primitive (conv_general_dilated) and the pass: forward (under jvp), backward (under transpose), or outside the gradient
