@@ -349,7 +349,8 @@ def markdown(report: dict) -> str:
     ops = "deterministic" if report["deterministic_gpu"] else "non-deterministic"
     lines = [
         f"{report['device']}, {report['cores']} CPU cores, JAX {report['jax']}, {report['date']}; {report['algo']} on "
-        f"{report['env_id']}, {report['threads']} actor threads x {report['envs_per_thread']} envs, {ops} GPU ops",
+        f"{report['env_id']}, {report['threads']} actor threads x {report['envs_per_thread']} envs, {ops} GPU ops; "
+        f"XLA_FLAGS `{report['xla_flags']}`",
         "",
         f"EnvPool alone: **{report['env_alone_sps']:,.0f} steps/s**",
         "",
@@ -411,6 +412,7 @@ def what_ran(device, opts, args) -> dict:  # a report's first fields: the machin
         algo=opts.algo,
         env_id=args.env_id,
         deterministic_gpu=not opts.no_deterministic_gpu,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),  # as the script set them, with any of the user's
     )
 
 

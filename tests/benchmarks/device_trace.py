@@ -146,6 +146,10 @@ def op_of(event: dict) -> str:
     return named[-1] if named else event["name"]
 
 
+def kernel_name(name: str) -> str:  # a CUDA kernel's name without its template arguments and parameters
+    return re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0].strip() or name
+
+
 def busy_ms(events: list) -> float:
     """The time in which at least one of the events ran: their intervals' union (streams and threads overlap)."""
     busy, reach = 0.0, float("-inf")
@@ -162,6 +166,8 @@ def summarize(events: list, sources: dict, control_flow: set, calls: int, wall_s
     events = [e for e in events if normal(op_of(e)) not in control_flow]
     by_part = collections.defaultdict(lambda: dict(ms=0.0, events=0))
     by_op = collections.defaultdict(lambda: dict(ms=0.0, events=0, kernel=None, part=None))
+    # cuDNN runs a convolution as several kernels (layout conversions, memsets, the convolution): which ones cost
+    by_kernel = collections.defaultdict(lambda: dict(ms=0.0, events=0))
     without_source = 0
     for e in events:
         op = op_of(e)
@@ -175,6 +181,8 @@ def summarize(events: list, sources: dict, control_flow: set, calls: int, wall_s
         by_op[op]["events"] += 1
         by_op[op]["kernel"] = by_op[op]["kernel"] or e["name"]
         by_op[op]["part"] = f"{pass_name}: {part}"
+        by_kernel[kernel_name(e["name"])]["ms"] += ms
+        by_kernel[kernel_name(e["name"])]["events"] += 1
     summed = sum(r["ms"] for r in by_part.values())
     share = 1 / summed if summed else 0.0
     parts = [
@@ -182,6 +190,7 @@ def summarize(events: list, sources: dict, control_flow: set, calls: int, wall_s
         for (p, part), r in by_part.items()
     ]
     ops = [dict(op=op, share=r["ms"] * share, **r) for op, r in by_op.items()]
+    kernels = [dict(kernel=name, share=r["ms"] * share, **r) for name, r in by_kernel.items()]
     passes = collections.Counter()
     for r in parts:
         passes[r["pass"]] += r["ms"]
@@ -194,6 +203,7 @@ def summarize(events: list, sources: dict, control_flow: set, calls: int, wall_s
         ms_by_pass=dict(passes),
         parts=sorted(parts, key=lambda r: -r["ms"])[:KEPT_ROWS],
         ops=sorted(ops, key=lambda r: -r["ms"])[:KEPT_ROWS],
+        kernels=sorted(kernels, key=lambda r: -r["ms"])[:KEPT_ROWS],
     )
 
 
@@ -205,7 +215,8 @@ def markdown(report: dict, rows: int = 25) -> str:
     events, without_source = s["events_per_update"], s["events_without_source"] / report["calls"]
     lines = [
         f"{report['device']}, {report['cores']} CPU cores, JAX {report['jax']}, {report['date']}; {report['algo']}'s "
-        f"update on {report['env_id']}, {report['batch_steps']:,} steps, {ops} GPU ops; {report['calls']} updates",
+        f"update on {report['env_id']}, {report['batch_steps']:,} steps, {ops} GPU ops; {report['calls']} updates; "
+        f"XLA_FLAGS `{report['xla_flags']}`",
         "",
         f"Per update: **{wall:.1f} ms** wall; the device busy {busy:.1f} ms ({busy / wall:.0%}); its events "
         f"{s['summed_ms_per_update']:.1f} ms in all, {events:,.0f} of them ({without_source:,.0f} without a source), "
@@ -220,6 +231,9 @@ def markdown(report: dict, rows: int = 25) -> str:
     for r in s["ops"][:rows]:
         kernel = r["kernel"] if len(r["kernel"]) <= 60 else r["kernel"][:57] + "..."
         lines.append(f"| {r['op']} | `{kernel}` | {r['part']} | {r['ms']:.2f} | {r['share']:.1%} |")
+    lines += ["", "| kernel | ms per update | share | events per update |", "|---|---|---|---|"]
+    for r in s["kernels"][:rows]:
+        lines.append(f"| `{r['kernel']}` | {r['ms']:.2f} | {r['share']:.1%} | {r['events'] / report['calls']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

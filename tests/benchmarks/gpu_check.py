@@ -114,6 +114,7 @@ def machine_info(commit: str | None) -> dict:
         python=sys.version.split()[0],
         date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         commit=commit,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),  # the user's; each script adds its deterministic setting
     )
 
 
@@ -357,6 +358,8 @@ def markdown(report: dict) -> str:
             f"{m['device']} ({m['platform']}), {m['cores']} CPU cores available ({m['cpu_count']} on the machine), "
             f"JAX {m['jax']}, EnvPool {m['envpool']}, Python {m['python']}, {m['date']}, commit {m['commit'] or 'n/a'}"
         )
+        if m.get("xla_flags"):
+            lines[-1] += f", XLA_FLAGS `{m['xla_flags']}`"
     s, state = report["settings"], ""
     if not report["finished"]:
         state = f" (unfinished: interrupted {report['interrupted']})" if "interrupted" in report else " (unfinished)"
