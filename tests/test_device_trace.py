@@ -58,7 +58,7 @@ TRACE = {
         metadata("thread_name", 1, "XLA Ops", tid=8),
         # A kernel of a CUDA graph: only its name, that of its fusion with "_" for "."
         kernel("loop_add_fusion_3", 0, 100),
-        kernel("void cudnn::convertTensor_kernel<float, __half>(float const*, __half*)", 100, 60, hlo_op="custom-call.5"),
+        kernel("void cudnn::convertTensor_kernel<float, __half>(float const*)", 100, 60, hlo_op="custom-call.5"),
         kernel("void sm90_xmma_wgrad_implicit_gemm<float>(Params)", 160, 240, hlo_op="custom-call.5"),
         # Inside the update's minibatch loop: the loop's annotation, then the kernel's own
         kernel("input_fusion", 400, 50, annotation="pmap_update:#hlo_op=while.12#::fusion.9:#hlo_op=fusion.9#"),
@@ -92,7 +92,7 @@ def test_a_gpu_trace_is_read_by_layer_and_pass():
     assert summary["summed_ms_per_update"] == pytest.approx(0.34)
     assert summary["busy_ms_per_update"] == pytest.approx(0.24)  # the copy ran beside the kernels: counted once
     assert summary["events_without_source"] == 2
-    kernels = {r["kernel"]: r["ms"] for r in summary["kernels"]}  # a cuDNN convolution's kernels, named without templates
+    kernels = {r["kernel"]: r["ms"] for r in summary["kernels"]}  # a cuDNN convolution's kernels, without templates
     assert kernels["cudnn::convertTensor_kernel"] == pytest.approx(0.03)
     assert kernels["sm90_xmma_wgrad_implicit_gemm"] == pytest.approx(0.12)
 

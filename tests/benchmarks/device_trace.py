@@ -14,8 +14,9 @@ named by its XLA operation (a fusion, a cuDNN convolution; the innermost one a k
 kernel's own name); the optimised HLO gives that operation's source: the flax module path (ResNet/Conv_3), the
 primitive (conv_general_dilated) and the pass: forward (under jvp), backward (under transpose), or outside the gradient
 (the advantages, the optimiser). Some operations have no source (XLA's CPU convolutions, YNN fusions): they are
-counted by their kind. Written to --out: update_trace_<algo>_<det|nondet>.json (the summary, and a few raw events of
-each line of the trace, to show its format) and .md (the tables); to --raw-out, if given, the optimised program
+counted by their kind. A third table sums the events by kernel (cuDNN runs a convolution as several: layout
+conversions, memsets, the convolution). Written to --out: update_trace_<algo>_<det|nondet>.json (the summary, and a
+few raw events of each line of the trace, to show its format) and .md (the tables); to --raw-out, if given, the optimised program
 (.hlo.txt.gz, to read an operation in full) and the trace itself (.perfetto.json.gz, for ui.perfetto.dev). Exit status
 1 when the trace holds no event of the device (on a GPU: CUPTI missing).
 """
