@@ -9,16 +9,16 @@ A script's defaults (PPO's by default, Breakout-v5), with XLA's deterministic GP
 (--no-deterministic-gpu: off). The update runs on a batch of the script's own actors, once untimed (it compiles), then
 --calls times under the profiler. On a GPU the events are the CUDA kernels and copies on the device's streams (CUPTI);
 on a CPU, XLA's operations on the host's threads (a loop's event, which holds its body's, is left out), which run side
-by side: there a part's share is of the events' summed time, not of the wall time. Each event is
-named by its XLA operation (a fusion, a cuDNN convolution; the innermost one a kernel's annotations name, else the
-kernel's own name); the optimised HLO gives that operation's source: the flax module path (ResNet/Conv_3), the
-primitive (conv_general_dilated) and the pass: forward (under jvp), backward (under transpose), or outside the gradient
-(the advantages, the optimiser). Some operations have no source (XLA's CPU convolutions, YNN fusions): they are
-counted by their kind. A third table sums the events by kernel (cuDNN runs a convolution as several: layout
-conversions, memsets, the convolution). Written to --out: update_trace_<algo>_<det|nondet>.json (the summary, and a
-few raw events of each line of the trace, to show its format) and .md (the tables); to --raw-out, if given, the optimised program
-(.hlo.txt.gz, to read an operation in full) and the trace itself (.perfetto.json.gz, for ui.perfetto.dev). Exit status
-1 when the trace holds no event of the device (on a GPU: CUPTI missing).
+by side: there a part's share is of the events' summed time, not of the wall time. Each event is named by its XLA
+operation (a fusion, a cuDNN convolution; the innermost one a kernel's annotations name, else the kernel's own name);
+the optimised HLO gives that operation's source: the flax module path (ResNet/Conv_3), the primitive
+(conv_general_dilated) and the pass: forward (under jvp), backward (under transpose), or outside the gradient (the
+advantages, the optimiser). Some operations have no source (XLA's CPU convolutions, YNN fusions): they are counted by
+their kind. A third table sums the events by kernel (cuDNN runs a convolution as several: layout conversions, memsets,
+the convolution). Written to --out: update_trace_<algo>_<det|nondet>.json (the summary, and a few raw events of each
+line of the trace, to show its format) and .md (the tables); to --raw-out, if given, the optimised program (.hlo.txt.gz,
+to read an operation in full) and the trace itself (.perfetto.json.gz, for ui.perfetto.dev). Exit status 1 when the
+trace holds no event of the device (on a GPU: CUPTI missing).
 """
 
 import argparse
