@@ -17,7 +17,7 @@ concurrently for --seconds, as the script's threads do, each with its own EnvPoo
    stand-in for an update split into per-minibatch programs (by_minibatch): how much of the actors' wait a shorter
    learner program would save;
 4. the learner's update alone, as the script has it and by minibatch; one gradient step in parts (forward,
-   gradient, with the optimiser, with bfloat16 products: gradient_step_parts); then the update with a part replaced
+   gradient, with the optimiser, the network in bfloat16: gradient_step_parts); then the update with a part replaced
    (VARIANTS): the ResNet's max-pool by flax's nn.max_pool (XLA's select-and-scatter in its gradient, slow with
    deterministic GPU ops), or by one computed as a running maximum with its gradient written out; the categorical's
    log-probability taken by a mask instead of take_along_axis (a scatter in its gradient); the time of each, and
@@ -250,7 +250,7 @@ VARIANTS = [
 ]
 
 
-GRADIENT_STEP_PARTS = ["forward", "gradient", "gradient_and_optimiser", "gradient_bfloat16"]
+GRADIENT_STEP_PARTS = ["forward", "gradient", "gradient_and_optimiser", "gradient_bfloat16_network"]
 
 LOOPS = [  # name, observe and act fused, with which learner
     ("two calls", False, None),
@@ -301,11 +301,18 @@ def by_minibatch(algo, args, networks, state) -> Learner:
     return Learner(algo, small, networks, state, minibatches)
 
 
+def layers_in_bfloat16(call, args, kwargs, context):  # a flax interceptor: a Conv's or Dense's input in bfloat16
+    if isinstance(context.module, (nn.Conv, nn.Dense)) and context.method_name == "__call__":
+        args = (args[0].astype(jnp.bfloat16), *args[1:])
+    return call(*args, **kwargs)
+
+
 def gradient_step_parts(algo, args, networks, state, batch, seconds: float) -> dict:
     """Where a gradient step's time goes, on one minibatch of the script's shape (from the first learner device's part
     of the batch): the networks' forward pass; the gradient of a loss through all their outputs (forward and
-    backward: the script's losses add little to it); that and the optimiser's step; the gradient again with bfloat16
-    matrix products and convolutions (what a lower precision would buy). Median seconds per call."""
+    backward: the script's losses add little to it); that and the optimiser's step; the gradient again with the network
+    computing in bfloat16, its parameters and each layer's input cast (what a lower precision would buy: a speed flag's
+    worth, not a default's). Median seconds per call."""
     local = jax.tree.map(lambda x: x[0], batch)  # host arrays: (T or T + 1, envs, ...)
     envs = local["valid"].shape[1]
     steps = args.num_steps
@@ -328,11 +335,12 @@ def gradient_step_parts(algo, args, networks, state, batch, seconds: float) -> d
     def step(train_state):
         return train_state.apply_gradients(grads=jax.grad(loss)(train_state.params))
 
-    def bfloat16_gradient(params):
-        with jax.default_matmul_precision("bfloat16"):
-            return jax.grad(loss)(params)
+    def bfloat16_network_loss(params):  # the parameters cast, and each layer's input: the network computes in bfloat16
+        low = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        with nn.intercept_methods(layers_in_bfloat16):
+            return loss(low)
 
-    parts = dict(forward=forward, gradient=jax.grad(loss), gradient_bfloat16=bfloat16_gradient)
+    parts = dict(forward=forward, gradient=jax.grad(loss), gradient_bfloat16_network=jax.grad(bfloat16_network_loss))
     calls = {name: functools.partial(jax.jit(f), replica.params) for name, f in parts.items()}
     calls["gradient_and_optimiser"] = functools.partial(jax.jit(step), replica)
     report = dict(frames=steps * envs)
