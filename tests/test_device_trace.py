@@ -93,8 +93,19 @@ def test_a_gpu_trace_is_read_by_layer_and_pass():
     assert summary["busy_ms_per_update"] == pytest.approx(0.24)  # the copy ran beside the kernels: counted once
     assert summary["events_without_source"] == 2
     kernels = {r["kernel"]: r["ms"] for r in summary["kernels"]}  # a cuDNN convolution's kernels, without templates
-    assert kernels["cudnn::convertTensor_kernel"] == pytest.approx(0.03)
-    assert kernels["sm90_xmma_wgrad_implicit_gemm"] == pytest.approx(0.12)
+    assert kernels["cudnn::convertTensor_kernel<float, __half>"] == pytest.approx(0.03)
+    assert kernels["sm90_xmma_wgrad_implicit_gemm<float>"] == pytest.approx(0.12)
+    ran = dict(device="NVIDIA H200", cores=16, jax="0.11.2", date="2026-11-27", algo="ppo", env_id="Breakout-v5")
+    report = dict(ran, deterministic_gpu=True, xla_flags="--xla_gpu_deterministic_ops=true", batch_steps=16384)
+    text = device_trace.markdown(dict(report, calls=2, events_found_on=found_on, summary=summary))
+    assert "XLA_FLAGS `--xla_gpu_deterministic_ops=true`" in text.splitlines()[0]
+    assert "| `cudnn::convertTensor_kernel<float, __half>` | 0.03 |" in text  # the third table: by kernel
+
+
+def test_a_jitted_helper_names_its_primitive():  # jax.nn.relu's max is not the max-pool's maximum
+    assert device_trace.part_of("pmap(update)/jit(main)/jvp(ResNet)/jit(relu)/max") == ("forward", "ResNet relu/max")
+    conv = "pmap(update)/jit(main)/transpose(jvp(ResNet))/Conv_1/conv_general_dilated"
+    assert device_trace.part_of(conv) == ("backward", "ResNet/Conv_1 conv_general_dilated")
 
 
 def test_a_trace_without_the_device_has_no_events():

@@ -301,10 +301,17 @@ def by_minibatch(algo, args, networks, state) -> Learner:
     return Learner(algo, small, networks, state, minibatches)
 
 
-def layers_in_bfloat16(call, args, kwargs, context):  # a flax interceptor: a Conv's or Dense's input in bfloat16
+def layers_in_bfloat16(call, args, kwargs, context):  # a flax interceptor: a Conv's or Dense's inputs in bfloat16
     if isinstance(context.module, (nn.Conv, nn.Dense)) and context.method_name == "__call__":
-        args = (args[0].astype(jnp.bfloat16), *args[1:])
+        args = [lower_precision(x) for x in args]
+        kwargs = {name: lower_precision(x) for name, x in kwargs.items()}
     return call(*args, **kwargs)
+
+
+def lower_precision(x):  # a float array in bfloat16; anything else as it is
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(jnp.bfloat16)
+    return x
 
 
 def gradient_step_parts(algo, args, networks, state, batch, seconds: float) -> dict:
@@ -336,7 +343,7 @@ def gradient_step_parts(algo, args, networks, state, batch, seconds: float) -> d
         return train_state.apply_gradients(grads=jax.grad(loss)(train_state.params))
 
     def bfloat16_network_loss(params):  # the parameters cast, and each layer's input: the network computes in bfloat16
-        low = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        low = jax.tree.map(lower_precision, params)
         with nn.intercept_methods(layers_in_bfloat16):
             return loss(low)
 
@@ -398,17 +405,27 @@ def add_script_options(parser: argparse.ArgumentParser, default_algo: str):
 def script_and_state(opts):
     """The script (--algo), its Args (its defaults, --env-id, the flags after --; synchronous), config, networks and
     first train state; XLA's deterministic GPU ops as the script sets them (off with --no-deterministic-gpu)."""
-    deterministic = str(not opts.no_deterministic_gpu).lower()
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops={deterministic}".strip()
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops" not in xla_flags:  # as the scripts do: a setting of the user's stays
+        deterministic = str(not opts.no_deterministic_gpu).lower()
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_gpu_deterministic_ops={deterministic}".strip()
     algo = throughput.load_script(opts.algo)
     args = tyro.cli(algo.Args, args=["--env-id", opts.env_id, *opts.flags, "--total-timesteps", str(10**9)])
     args.concurrency = False
+    try:  # the script's own checks, which also settle its automatic settings (observation normalisation)
+        algo.check_args(args)
+    except algo.ConfigError as refused:
+        raise SystemExit(f"{opts.algo}: {refused}") from None
     cfg = algo.derive_config(args)
     spec = envpool.make_spec(args.env_id, **algo.env_options(args))
     networks = algo.make_networks(args, spec)
     state, _ = algo.init_train_state(args, cfg, networks, spec.observation_space)
     state, _ = algo.resume(cfg, state, None, "")
     return algo, args, cfg, networks, state
+
+
+def deterministic_gpu() -> bool:  # what XLA was told (the flag, or a setting of the user's in XLA_FLAGS)
+    return "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
 
 
 def what_ran(device, opts, args) -> dict:  # a report's first fields: the machine, the date, the script and its ops
@@ -419,7 +436,7 @@ def what_ran(device, opts, args) -> dict:  # a report's first fields: the machin
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         algo=opts.algo,
         env_id=args.env_id,
-        deterministic_gpu=not opts.no_deterministic_gpu,
+        deterministic_gpu=deterministic_gpu(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),  # as the script set them, with any of the user's
     )
 
@@ -453,11 +470,11 @@ def main():
     first_s, update_s = throughput.timed_calls(learner, opts.seconds, 3)
     report["update"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
     save()
+    report["gradient step"] = gradient_step_parts(algo, args, networks, state, learner.batch, opts.seconds)
+    save()
     learner_by_minibatch = by_minibatch(algo, args, networks, state)
     first_s, update_s = throughput.timed_calls(learner_by_minibatch, opts.seconds, 3)
     report["update by minibatch"] = dict(first_s=first_s, median_s=update_s, steps=cfg.batch_size)
-    save()
-    report["gradient step"] = gradient_step_parts(algo, args, networks, state, learner.batch, opts.seconds)
     save()
     learners = {None: None, "update": learner, "by minibatch": learner_by_minibatch}
     pools = pools_of(algo, args)

@@ -29,15 +29,16 @@ import throughput  # noqa: E402
 def markdown(report: dict) -> str:
     lines = [
         f"{report['device']}, {report['cores']} CPU cores, JAX {report['jax']}, {report['date']}; {report['env_id']}, "
-        f"each script's defaults, no learner; XLA_FLAGS `{report['xla_flags']}`",
+        f"flags: {' '.join(report['flags']) or 'the defaults'}; no learner; XLA_FLAGS `{report['xla_flags']}`",
         "",
         "| script | actor threads x envs | EnvPool alone | EnvPools per thread | actors alone | / EnvPool alone |",
         "|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         shape = f"{r['threads']} x {r['envs_per_thread']}"
-        if "refused" in r:
-            lines.append(f"| {r['algo']} | {shape} | {r['env_alone_sps']:,.0f} | {r['pools']} | {r['refused']} | - |")
+        if "refused" in r or "failed" in r:
+            why = r.get("refused") or f"failed: {r['failed']}"
+            lines.append(f"| {r['algo']} | {shape} | {r['env_alone_sps']:,.0f} | {r['pools']} | {why} | - |")
             continue
         ratio = r["actors_sps"] / r["env_alone_sps"]
         alone = f"{r['env_alone_sps']:,.0f} | {r['pools']} | {r['actors_sps']:,.0f} | {ratio:.2f}"
@@ -53,7 +54,9 @@ def main():
     parser.add_argument(
         "--seconds", type=float, default=8.0, help="of EnvPool alone, and of each timed set of rollouts"
     )
-    actor_step.add_script_options(parser, "impala")
+    parser.add_argument("--env-id", default="Breakout-v5")
+    parser.add_argument("--no-deterministic-gpu", action="store_true")
+    parser.add_argument("flags", nargs="*", help="after --: the scripts' flags")
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
     report = dict(runs=[])
@@ -65,11 +68,11 @@ def main():
             f.write(markdown(report))
 
     for algo_name in opts.algos:
-        opts.algo = algo_name
-        algo, args, cfg, networks, state = actor_step.script_and_state(opts)
+        script_opts = argparse.Namespace(**vars(opts), algo=algo_name)
+        algo, args, cfg, networks, state = actor_step.script_and_state(script_opts)
         if not report["runs"]:  # the machine, the date and the XLA flags (the scripts are in each run)
-            ran = actor_step.what_ran(cfg.actor_devices[0], opts, args)
-            report.update({key: value for key, value in ran.items() if key != "algo"})
+            ran = actor_step.what_ran(cfg.actor_devices[0], script_opts, args)
+            report.update({key: value for key, value in ran.items() if key != "algo"}, flags=opts.flags)
         env_sps = throughput.env_ceiling(algo, args, args.num_actor_threads, opts.seconds)
         shape = dict(algo=algo_name, threads=args.num_actor_threads, envs_per_thread=args.local_num_envs)
         for pools in opts.pools:
@@ -83,8 +86,11 @@ def main():
             else:
                 steps_per_rollout = args.num_actor_threads * args.local_num_envs * args.num_steps
                 rollouts = 1 + max(2, math.ceil(opts.seconds * env_sps / steps_per_rollout))
-                run["actors_sps"], _ = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts)
-                run["rollouts_timed"] = rollouts - 1
+                try:  # a failure (an actor thread's, the GPU's memory) is this row's, not the whole table's
+                    run["actors_sps"], _ = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts)
+                    run["rollouts_timed"] = rollouts - 1
+                except Exception as error:
+                    run["failed"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
             report["runs"].append(run)
             save()
             print(markdown(report).splitlines()[-1], flush=True)
