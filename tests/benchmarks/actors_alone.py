@@ -90,7 +90,7 @@ def main():
                     run["actors_sps"], _ = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts)
                     run["rollouts_timed"] = rollouts - 1
                 except Exception as error:
-                    run["failed"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
+                    run["failed"] = f"{type(error).__name__}: {' '.join(str(error).split())[-200:]}"  # its end
             report["runs"].append(run)
             save()
             print(markdown(report).splitlines()[-1], flush=True)
