@@ -890,11 +890,11 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
     # Read by XLA when its backend starts (jax.distributed or the first device below); a setting of the user's stays.
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_deterministic_ops" not in xla_flags:
-        deterministic = f"--xla_gpu_deterministic_ops={str(args.deterministic_gpu).lower()}"
-        os.environ["XLA_FLAGS"] = f"{xla_flags} {deterministic}".strip()
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_gpu_deterministic_ops={str(args.deterministic_gpu).lower()}"
     check_args(args)
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")  # not XLA's GPU algorithms: they set bits
     if args.distributed:
         # The others give up on a dead process after the heartbeat timeout; at the end, they wait for process 0.
         timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)

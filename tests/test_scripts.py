@@ -256,18 +256,22 @@ def test_a_gpu_jax_cannot_see_is_refused(tmp_path):
 def test_deterministic_gpu_ops_reach_the_compiler(tmp_path):
     """The same command twice on a GPU is the same run only with XLA's deterministic GPU ops, which the scripts set
     themselves (XLA_FLAGS, before the backend starts; a setting of the user's stays): every program compiled carries
-    the option, on by default, off with --no-deterministic-gpu. XLA writes each program's options beside its dump."""
-    for flags, deterministic in [([], True), (["--no-deterministic-gpu"], False)]:
+    the option, on by default, off with --no-deterministic-gpu. XLA writes each program's options beside its dump.
+    With the compilation cache on, XLA is not handed JAX's cache of GPU algorithms (timed by runs without the
+    option, they would change a deterministic run's bits): the command alone sets them (performance.md)."""
+    for cache, flags, deterministic in [(tmp_path / "cache", [], True), (None, ["--no-deterministic-gpu"], False)]:
         dump = tmp_path / f"dump_{deterministic}"
         env = script_env()
         # Without a setting of its own (a script's start_up run in this process would have left one).
         xla_flags = [flag for flag in env.get("XLA_FLAGS", "").split() if "deterministic" not in flag]
         env["XLA_FLAGS"] = " ".join([*xla_flags, f"--xla_dump_to={dump}"])
-        flags += ["--no-resume", "--compilation-cache-dir", "None"]  # every program compiled, none from a cache
+        flags += ["--no-resume", "--compilation-cache-dir", cache]  # every program compiled: a new cache, or none
         check(run(tmp_path, *CARTPOLE, "--total-timesteps", 256, *flags, env=env, shared_cache=False))
         options = [path.read_text() for path in dump.glob("*.debug_options")]
         assert len(options) >= 5  # the rollout, the update, the initialisation...
         assert all(("xla_gpu_deterministic_ops: true" in text) == deterministic for text in options)
+        assert not any("autotune_cache_dir" in text for text in options)
+    assert list((tmp_path / "cache").iterdir())  # the cache was on
 
 
 def test_environment_threads_share_the_cpus(algo):
