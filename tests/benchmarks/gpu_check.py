@@ -18,8 +18,9 @@ check cut short still leaves what it measured:
    process, not its group: that would also stop XLA's compiler processes). Steady steps/s: the steps between the
    first and the last timed console line over the time between their arrivals; the learner's and the actors'
    waits: their means over the timed updates (the side that waits is not the bottleneck). Then, as the budget
-   allows, the speed flag (--no-deterministic-gpu: the cost of deterministic GPU ops) and IMPALA's --env-pools 2
-   and 4 (the default is 1), with their steps/s over the default run's;
+   allows, the speed flag (--no-deterministic-gpu: the cost of deterministic GPU ops; the run also records the
+   algorithms XLA timed), the default again with those algorithms (-recorded: deterministic, not the first algorithm
+   that works) and IMPALA's --env-pools 2 and 4 (the default is 1), with their steps/s over the default run's;
 4. reproducibility, after the throughput runs (so that it does not disturb their timings), four PPO runs at once
    sharing the GPU (no memory preallocation; 4 EnvPool threads each): the same command twice, and a layout-free
    run (--layout-free-group-size 4) on 1 and on 2 actor threads; each pair is bitwise identical (updates.jsonl),
@@ -79,11 +80,32 @@ RUNS = [
     ("impala", "impala", [], "default"),
     ("pqn", "pqn", [], "default"),
     ("impala-nondet", "impala", ["--no-deterministic-gpu"], "variant"),
-    ("impala-pools2", "impala", ["--env-pools", "2"], "variant"),
-    ("pqn-nondet", "pqn", ["--no-deterministic-gpu"], "variant"),
-    ("impala-pools4", "impala", ["--env-pools", "4"], "variant"),
+    ("impala-recorded", "impala", [], "variant"),
     ("ppo-nondet", "ppo", ["--no-deterministic-gpu"], "variant"),
+    ("ppo-recorded", "ppo", [], "variant"),
+    ("pqn-nondet", "pqn", ["--no-deterministic-gpu"], "variant"),
+    ("pqn-recorded", "pqn", [], "variant"),
+    ("impala-pools2", "impala", ["--env-pools", "2"], "variant"),
+    ("impala-pools4", "impala", ["--env-pools", "4"], "variant"),
 ]
+# A script's run without deterministic ops (XLA times its algorithms) records XLA's choices in a file; its
+# "-recorded" run is the default, deterministic, with those choices (docs/performance.md: recorded algorithms).
+RECORDED = "-recorded"
+
+
+def algorithms_file(root: str, script: str) -> str:  # where a script's -nondet run records XLA's choices
+    return os.path.join(root, f"{script}_algorithms.textproto")
+
+
+def run_xla_flags(run_id: str, script: str, flags: list[str], root: str) -> str | None:
+    """The XLA flags a run adds to the user's: a run without deterministic ops records its algorithm choices, a
+    -recorded run reads them; None when the choices it needs were not recorded (its -nondet run did not run)."""
+    path = algorithms_file(root, script)
+    if "--no-deterministic-gpu" in flags:
+        return f"--xla_gpu_dump_autotune_results_to={path}"
+    if run_id.endswith(RECORDED):
+        return f"--xla_gpu_load_autotune_results_from={path}" if os.path.exists(path) else None
+    return ""
 
 
 class Interrupted(Exception):
@@ -174,9 +196,10 @@ def script_command(script: str) -> list[str]:
     return [sys.executable, os.path.join(REPO, "cleanba", f"cleanba_{script}.py")]
 
 
-def measure_run(script: str, flags: list[str], cwd: str, log_path: str, opts) -> dict:
+def measure_run(script: str, flags: list[str], cwd: str, log_path: str, opts, xla_flags: str = "") -> dict:
     """One throughput run, as the module docstring says; raises nothing (a failure is in the result)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     if USER_PREALLOCATE is not None:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = USER_PREALLOCATE
@@ -494,12 +517,18 @@ def main():
         reserve = opts.repro_seconds if opts.repro else 0
         selected = [next(run for run in RUNS if run[0] == run_id) for run_id in opts.runs]  # in the order given
         for run_id, script, flags, kind in selected:
-            name = " ".join([script, *flags])
+            name = " ".join([script, *flags]) + (" (recorded algorithms)" if run_id.endswith(RECORDED) else "")
             estimate = durations.get(script, opts.seconds + START_GUESS)
             # The defaults go first and need only fit the budget; the variants leave the reproducibility runs' time.
             ends = elapsed() + estimate + (reserve if kind == "variant" else 0)
             result = dict(name=name, id=run_id, script=script, flags=flags, estimate_s=estimate)
             report["runs"].append(result)
+            xla_flags = run_xla_flags(run_id, script, flags, root)
+            if xla_flags is None:
+                result.update(status="skipped", reason=f"no algorithms recorded (by {script}-nondet, on a GPU)")
+                print(f"[{name}] skipped: {result['reason']}", flush=True)
+                write(report, opts.out)
+                continue
             if ends > opts.budget:
                 what = "the time reserved for the reproducibility runs" if kind == "variant" and reserve else ""
                 result.update(
@@ -513,7 +542,8 @@ def main():
             print(f"[{name}] at {elapsed():.0f} s", flush=True)
             log_path = os.path.join(log_dir, f"{run_id}.log")
             result["status"] = "interrupted"  # until it ends
-            result.update(measure_run(script, flags, os.path.join(root, "throughput"), log_path, opts))
+            result["xla_flags"] = xla_flags.replace(root + "/", "")
+            result.update(measure_run(script, flags, os.path.join(root, "throughput"), log_path, opts, xla_flags))
             if result["status"] == "ok":
                 if kind == "default":
                     durations[script] = result["duration_s"]
