@@ -1,6 +1,6 @@
 """The same update in two processes, bit for bit or not: a script's update (its defaults, or the flags after --;
 synchronous) on one batch of its own actors, --updates times, each timed; prints a hash of the batch and of the
-parameters after each update. Run it twice and compare the lines: equal hashes are the same bits.
+parameters after each update, after a line naming the machine. Run it twice and compare: equal hashes, equal bits.
 
     source .gpu/env.sh && python3 tests/benchmarks/update_bits.py --algo ppo            # on the GPU machine
     .venv/bin/python tests/benchmarks/update_bits.py --algo impala -- --local-num-envs 8 --num-steps 32 \\
@@ -36,9 +36,12 @@ def main():
     parser.add_argument("--updates", type=int, default=4, help="updates on the one batch (the first compiles)")
     actor_step.add_script_options(parser, "ppo")
     opts = parser.parse_args()
-    algo, args, _, networks, state = actor_step.script_and_state(opts)
+    algo, args, cfg, networks, state = actor_step.script_and_state(opts)
+    ran = actor_step.what_ran(cfg.actor_devices[0], opts, args)
+    ops = "deterministic" if ran["deterministic_gpu"] else "non-deterministic"
+    machine = f"{ran['device']}, {ran['cores']} CPU cores, JAX {ran['jax']}, {ran['date']}"
+    print(f"{machine}; {opts.algo} on {args.env_id}, {ops} GPU ops; XLA_FLAGS `{ran['xla_flags']}`", flush=True)
     learner = actor_step.Learner(algo, args, networks, state)
-    print(f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}", flush=True)
     print(f"batch {digest(learner.batch)}", flush=True)
     for update in range(opts.updates):
         start = time.perf_counter()
