@@ -49,15 +49,16 @@
 #   gpu-learning             on this machine's GPU: each script on Breakout-v5 with its paper's defaults for 3.5
 #                            minutes; steps/s and the return curve in results/gpu_learning/ (~12 min)
 #   gpu-check                on this machine's GPU, in ~8 minutes: the machine, EnvPool alone, each script's steady
-#                            steps/s on Breakout-v5 at its defaults (then, as the budget allows, --no-deterministic-gpu
-#                            and IMPALA's --env-pools 1 and 4), and whether PPO reruns bit for bit (the same command
-#                            twice; layout-free on 1 and 2 actor threads); in docs/results/gpu/gpu_check.{json,md}
+#                            steps/s on Breakout-v5 at its defaults (then, as the budget allows, --no-deterministic-gpu,
+#                            the default with the algorithms that run recorded, and IMPALA's --env-pools 2 and 4), and
+#                            whether PPO reruns bit for bit (the same command twice; layout-free on 1 and 2 actor
+#                            threads); in docs/results/gpu/gpu_check.{json,md}
 #                            (--out DIR elsewhere; --help: the sizes, for a dry run on a CPU)
 #   gpu-profile              on this machine's GPU: where each script's update at its Atari defaults (Breakout-v5)
 #                            spends the device's time, by part of the network and pass (forward, backward), from JAX's
 #                            profiler (~1 minute a script); in docs/results/gpu/update_trace_<algo>_det.{json,md} (--out
 #                            DIR elsewhere; --raw-out DIR: the programs and traces too; --no-deterministic-gpu: without
-#                            XLA's deterministic ops)
+#                            XLA's deterministic ops; --actors: the actors' rollouts instead, actor_trace_<algo>_*)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on

@@ -102,6 +102,19 @@ def test_a_gpu_trace_is_read_by_layer_and_pass():
     assert "| `cudnn::convertTensor_kernel<float, __half>` | 0.03 |" in text  # the third table: by kernel
 
 
+def test_the_actors_trace_is_read_per_rollout_and_per_actor_step():  # device_trace.py --actors
+    events, found_on, _ = device_trace.device_events(TRACE, "gpu")
+    summary = device_trace.summarize(events, {}, set(), calls=2, wall_s=0.002)  # their programs' sources unread
+    ran = dict(device="NVIDIA H200", cores=16, jax="0.11.2", date="2026-11-27", algo="impala", env_id="Breakout-v5")
+    shape = dict(traced="actors", threads=2, envs_per_thread=64, num_steps=4, batch_steps=512)
+    report = dict(ran, **shape, deterministic_gpu=True, xla_flags="", calls=2, events_found_on=found_on)
+    lines = device_trace.markdown(dict(report, summary=summary)).splitlines()
+    assert "impala's actors on Breakout-v5, 2 threads x 64 envs x 4 steps per rollout" in lines[0]
+    assert lines[2].startswith("Per rollout: **1.0 ms** wall; the device busy 0.2 ms (24%)")
+    assert lines[2].endswith("per actor step (every thread's): 0.25 ms wall, the device busy 0.06 ms")
+    assert "| pass | part of the program | ms per rollout | share | events per rollout |" in lines
+
+
 def test_a_jitted_helper_names_its_primitive():  # jax.nn.relu's max is not the max-pool's maximum
     assert device_trace.part_of("pmap(update)/jit(main)/jvp(ResNet)/jit(relu)/max") == ("forward", "ResNet relu/max")
     conv = "pmap(update)/jit(main)/transpose(jvp(ResNet))/Conv_1/conv_general_dilated"

@@ -1,5 +1,6 @@
 """Where the learner's update spends the device's time: JAX's profiler around a few updates, the device's events summed
-by the part of the network (or of the loss) that each computes, read from the optimised program's metadata.
+by the part of the network (or of the loss) that each computes, read from the optimised program's metadata; with
+--actors, where the actors' rollouts do (the script's own actor threads, no learner).
 
     source .gpu/env.sh && PYTHON=python3 bash benchmark.sh gpu-profile --out "$OUT" --raw-out "$OUT/raw"   # GPU machine
     python tests/benchmarks/device_trace.py --algo ppo --out /tmp/trace --calls 1 -- --local-num-envs 8 --num-steps 8 \\
@@ -19,6 +20,13 @@ the convolution). Written to --out: update_trace_<algo>_<det|nondet>.json (the s
 line of the trace, to show its format) and .md (the tables); to --raw-out, if given, the optimised program (.hlo.txt.gz,
 to read an operation in full) and the trace itself (.perfetto.json.gz, for ui.perfetto.dev). Exit status 1 when the
 trace holds no event of the device (on a GPU: CUPTI missing).
+
+--actors: the script's actor threads (its Actors, fed the first parameters, as throughput.py's actor_alone) collect a
+rollout untimed (it compiles), then --calls rollouts each under the profiler: the tables are per rollout (every
+thread's), their operations without a source (several small programs: the inference, the observations' processing),
+and the first line adds the wall time and the device's busy time per actor step; set against the wall time, the busy
+time says how much of an actor step is the device's work and how much the host's (EnvPool, Python, transfers' waits).
+Written as actor_trace_<algo>_<det|nondet>.json and .md.
 """
 
 import argparse
@@ -32,6 +40,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -225,29 +234,58 @@ def markdown(report: dict, rows: int = 25) -> str:
     passes = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(s["ms_by_pass"].items(), key=lambda kv: -kv[1]))
     wall, busy = s["wall_ms_per_update"], s["busy_ms_per_update"]
     events, without_source = s["events_per_update"], s["events_without_source"] / report["calls"]
+    unit = "rollout" if report.get("traced") == "actors" else "update"
+    what = f"update on {report['env_id']}, {report['batch_steps']:,} steps"
+    per_step = ""
+    if unit == "rollout":
+        shape = f"{report['threads']} threads x {report['envs_per_thread']} envs x {report['num_steps']} steps"
+        what = f"actors on {report['env_id']}, {shape} per rollout"
+        step_wall, step_busy = wall / report["num_steps"], busy / report["num_steps"]
+        per_step = f"; per actor step (every thread's): {step_wall:.2f} ms wall, the device busy {step_busy:.2f} ms"
     lines = [
         f"{report['device']}, {report['cores']} CPU cores, JAX {report['jax']}, {report['date']}; {report['algo']}'s "
-        f"update on {report['env_id']}, {report['batch_steps']:,} steps, {ops} GPU ops; {report['calls']} updates; "
-        f"XLA_FLAGS `{report['xla_flags']}`",
+        f"{what}, {ops} GPU ops; {report['calls']} {unit}s; XLA_FLAGS `{report['xla_flags']}`",
         "",
-        f"Per update: **{wall:.1f} ms** wall; the device busy {busy:.1f} ms ({busy / wall:.0%}); its events "
+        f"Per {unit}: **{wall:.1f} ms** wall; the device busy {busy:.1f} ms ({busy / wall:.0%}); its events "
         f"{s['summed_ms_per_update']:.1f} ms in all, {events:,.0f} of them ({without_source:,.0f} without a source), "
-        f"on {report['events_found_on']}; by pass, ms: {passes}",
+        f"on {report['events_found_on']}; by pass, ms: {passes}{per_step}",
         "",
-        "| pass | part of the program | ms per update | share | events per update |",
+        f"| pass | part of the program | ms per {unit} | share | events per {unit} |",
         "|---|---|---|---|---|",
     ]
     for r in s["parts"][:rows]:
         lines.append(f"| {r['pass']} | {r['part']} | {r['ms']:.2f} | {r['share']:.1%} | {r['events_per_update']:.0f} |")
-    lines += ["", "| XLA operation | first kernel | part | ms per update | share |", "|---|---|---|---|---|"]
+    lines += ["", f"| XLA operation | first kernel | part | ms per {unit} | share |", "|---|---|---|---|---|"]
     for r in s["ops"][:rows]:
         kernel = r["kernel"] if len(r["kernel"]) <= 60 else r["kernel"][:57] + "..."
         lines.append(f"| {r['op']} | `{kernel}` | {r['part']} | {r['ms']:.2f} | {r['share']:.1%} |")
-    lines += ["", "| kernel | ms per update | share | events per update |", "|---|---|---|---|"]
+    lines += ["", f"| kernel | ms per {unit} | share | events per {unit} |", "|---|---|---|---|"]
     for r in s["kernels"][:rows]:
         name = r["kernel"] if len(r["kernel"]) <= 100 else r["kernel"][:97] + "..."
         lines.append(f"| `{name}` | {r['ms']:.2f} | {r['share']:.1%} | {r['events'] / report['calls']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+class Rollouts:
+    """The script's actor threads as a callable (--actors): each call, a rollout of every thread with the first
+    parameters, collected; nobody trains. close() stops the threads and raises the first thread's failure."""
+
+    def __init__(self, algo, args, cfg, networks, params):
+        self.actors = algo.Actors(args, cfg, networks, 0, threading.Event())
+        self.params = params
+        self.version = 0
+
+    def __call__(self):
+        self.version += 1
+        self.actors.publish(self.params, self.version)
+        self.actors.collect()
+
+    def close(self):
+        self.actors.stop.set()
+        for thread, *_ in self.actors.threads:
+            thread.join(timeout=30)
+        if self.actors.failures:
+            raise RuntimeError(self.actors.failures[0][1])
 
 
 def positive(text: str) -> int:
@@ -260,36 +298,49 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="docs/results/gpu", help="for update_trace_<algo>_<det|nondet>.json and .md")
     parser.add_argument("--raw-out", help="for the optimised program (.hlo.txt.gz) and the trace (.perfetto.json.gz)")
-    parser.add_argument("--calls", type=positive, default=3, help="updates traced")
+    parser.add_argument("--calls", type=positive, default=3, help="updates (or rollouts, with --actors) traced")
+    parser.add_argument("--actors", action="store_true", help="trace the actors' rollouts, not the update")
     actor_step.add_script_options(parser, "ppo")
     opts = parser.parse_args()
     algo, args, cfg, networks, state = actor_step.script_and_state(opts)
-    learner = actor_step.Learner(algo, args, networks, state)
-    # Compiled once, for its text and to run: without determinism XLA autotunes each convolution as it compiles
-    compiled = learner.update_fn.lower(learner.state, learner.batch, 1).compile()
-    hlo_text = compiled.as_text()
-    learner.update_fn = compiled
-    learner()  # the first call, untimed
-    name = f"update_trace_{opts.algo}_{'det' if actor_step.deterministic_gpu() else 'nondet'}"
+    ops = "det" if actor_step.deterministic_gpu() else "nondet"
+    if opts.actors:
+        name, device, hlo_text = f"actor_trace_{opts.algo}_{ops}", cfg.actor_devices[0], ""
+        work = Rollouts(algo, args, cfg, networks, state.params)
+    else:
+        name, device = f"update_trace_{opts.algo}_{ops}", cfg.learner_devices[0]
+        work = actor_step.Learner(algo, args, networks, state)
+        # Compiled once, for its text and to run: without determinism XLA autotunes each convolution as it compiles
+        compiled = work.update_fn.lower(work.state, work.batch, 1).compile()
+        hlo_text = compiled.as_text()
+        work.update_fn = compiled
     for directory in filter(None, [opts.out, opts.raw_out]):
         os.makedirs(directory, exist_ok=True)
-    platform = cfg.learner_devices[0].platform
     with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            start = time.perf_counter()
-            for _ in range(opts.calls):
-                learner()
-            wall_s = time.perf_counter() - start
+        try:
+            work()  # the first call, untimed (the actors' programs compile in it)
+            with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+                start = time.perf_counter()
+                for _ in range(opts.calls):
+                    work()
+                wall_s = time.perf_counter() - start
+        finally:
+            if opts.actors:
+                work.close()
         [path] = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
         if opts.raw_out:
             shutil.copyfile(path, os.path.join(opts.raw_out, f"{name}.perfetto.json.gz"))
         with gzip.open(path) as f:
-            events, found_on, rows_seen = device_events(json.load(f), platform)
+            events, found_on, rows_seen = device_events(json.load(f), device.platform)
     if opts.raw_out and hlo_text:
         with gzip.open(os.path.join(opts.raw_out, f"{name}.hlo.txt.gz"), "wt") as f:
             f.write(hlo_text)
     report = dict(
-        **actor_step.what_ran(cfg.learner_devices[0], opts, args),
+        **actor_step.what_ran(device, opts, args),
+        traced="actors" if opts.actors else "update",
+        threads=args.num_actor_threads * len(cfg.actor_devices),
+        envs_per_thread=args.local_num_envs,
+        num_steps=args.num_steps,
         batch_steps=cfg.batch_size,
         calls=opts.calls,
         events_found_on=found_on,
