@@ -415,12 +415,12 @@ def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]
 
 def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
     """(EnvPool's handle, an actor thread's rollout (params, its pools' states) -> (their next states, the batch)):
-    num_steps of `act`, the envs' step and `observe`, then `bootstrap`. On a CPU with one pool: one jitted program,
-    EnvPool's XLA step in a lax.scan (which gave wrong data on a GPU: docs/notes/compiled-rollout.md). Else the pools
-    take turns: a pool's envs step while the next pool's actions are inferred (tests: both collect the same data)."""
+    num_steps of `act`, the envs' step and `observe`, then `bootstrap`. On a CPU with one pool, one jitted program (a
+    lax.scan of EnvPool's XLA step); else the pools take turns, a pool's envs stepping while the next is inferred."""
     act = jax.jit(act)
     observe_step = jax.jit(functools.partial(observe, args))
     bootstrap = jax.jit(bootstrap)
+    stack = jax.jit(jnp.stack)  # a field's steps in one call: jnp.stack alone dispatches each step's array (slow)
     action_dtype = pools[0].spec.action_array_spec["action"].dtype
     if platform == "cpu" and len(pools) == 1:
         with jax.enable_x64(True):  # MuJoCo takes and gives float64, which JAX traces with x64 on only
@@ -463,7 +463,7 @@ def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
                 records[pool].append({**acting[pool], **record})
                 if t + 1 < args.num_steps:
                     acting[pool] = act_and_send(pool)
-        stacked = [jax.tree.map(lambda *step: jnp.stack(step), *steps) for steps in records]
+        stacked = [jax.tree.map(lambda *step: stack(step), *steps) for steps in records]
         batches = [bootstrap(params, env, batch) for env, batch in zip(states, stacked, strict=True)]
         return states, jax.tree.map(lambda *pool: jnp.concatenate(pool, axis=1), *batches)
 
