@@ -59,6 +59,14 @@
 #                            profiler (~1 minute a script); in docs/results/gpu/update_trace_<algo>_det.{json,md} (--out
 #                            DIR elsewhere; --raw-out DIR: the programs and traces too; --no-deterministic-gpu: without
 #                            XLA's deterministic ops; --actors: the actors' rollouts instead, actor_trace_<algo>_*)
+#   gpu-actors               on this machine's GPU, in ~6 minutes: where the actors' own work goes. IMPALA's actor calls
+#                            without environments (tests/benchmarks/actor_calls.py: 32, 64 and 128 envs per call, 1, 2
+#                            and 4 threads at once), then its actors alone against EnvPool alone (actors_alone.py),
+#                            each with XLA's CUDA graphs as they are (as-is), off (graphs-off), and holding every
+#                            kernel, convolutions too (graphs-all); its actors' rollouts traced (device_trace.py
+#                            --actors); in docs/results/gpu/actors/<variant>/ (--out DIR elsewhere, then -- and the
+#                            script's flags; each step stopped after at most 100 s, so that the whole fits one call
+#                            of the project's GPU machine)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on
@@ -278,6 +286,24 @@ case "$grid" in
   gpu-profile)
     failed=0  # each script's profile, whatever became of the one before
     for algo in ppo impala pqn; do $PYTHON tests/benchmarks/device_trace.py --algo "$algo" "$@" || failed=1; done
+    exit $failed ;;
+  gpu-actors)
+    out=docs/results/gpu/actors
+    if [ "${1:-}" = --out ]; then out=$2; shift 2; fi
+    [ "${1:-}" = -- ] && shift  # then the script's flags (a dry run on a CPU: -- --local-num-envs 8 --num-steps 8)
+    variants=(as-is graphs-off graphs-all)
+    flags=("" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_graph_min_graph_size=1")
+    failed=0  # each measurement, whatever became of the one before
+    for i in 0 1 2; do
+      XLA_FLAGS="${XLA_FLAGS:-} ${flags[$i]}" timeout 100 $PYTHON tests/benchmarks/actor_calls.py --seconds 2 \
+        --out "$out/${variants[$i]}" -- "$@" || failed=1
+    done
+    timeout 100 $PYTHON tests/benchmarks/device_trace.py --actors --algo impala --calls 3 --out "$out/as-is" \
+      -- "$@" || failed=1
+    for i in 0 2 1; do
+      XLA_FLAGS="${XLA_FLAGS:-} ${flags[$i]}" timeout 100 $PYTHON tests/benchmarks/actors_alone.py --algos impala \
+        --pools 1 --seconds 3 --out "$out/${variants[$i]}" -- "$@" || failed=1
+    done
     exit $failed ;;
   gpu-procgen)
     $PYTHON tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --minutes "${MINUTES:-6}" --evaluate 20 \
