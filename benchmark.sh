@@ -59,14 +59,15 @@
 #                            profiler (~1 minute a script); in docs/results/gpu/update_trace_<algo>_det.{json,md} (--out
 #                            DIR elsewhere; --raw-out DIR: the programs and traces too; --no-deterministic-gpu: without
 #                            XLA's deterministic ops; --actors: the actors' rollouts instead, actor_trace_<algo>_*)
-#   gpu-actors               on this machine's GPU, in ~6 minutes: where the actors' own work goes. IMPALA's actor calls
+#   gpu-actors               on this machine's GPU, in ~8 minutes: where the actors' own work goes. IMPALA's actor calls
 #                            without environments (tests/benchmarks/actor_calls.py: 32, 64 and 128 envs per call, 1, 2
-#                            and 4 threads at once), then its actors alone against EnvPool alone (actors_alone.py),
-#                            each with XLA's CUDA graphs as they are (as-is), off (graphs-off), and holding every
-#                            kernel, convolutions too (graphs-all); its actors' rollouts traced (device_trace.py
-#                            --actors); in docs/results/gpu/actors/<variant>/ (--out DIR elsewhere, then -- and the
-#                            script's flags; each step stopped after at most 100 s, so that the whole fits one call
-#                            of the project's GPU machine)
+#                            and 4 threads at once); whether the rollout compiled into one program, as on a CPU,
+#                            collects what the GPU's loop does, and in how long (compiled_rollout.py); its actors'
+#                            rollouts traced (device_trace.py --actors); then the calls again and the actors alone
+#                            against EnvPool alone (actors_alone.py), each with XLA's CUDA graphs as they are (as-is),
+#                            off (graphs-off), and holding every kernel, convolutions too (graphs-all); in
+#                            docs/results/gpu/actors/<variant>/ (--out DIR elsewhere, then -- and the script's flags;
+#                            each step stopped after at most 100-150 s)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on
@@ -294,12 +295,14 @@ case "$grid" in
     variants=(as-is graphs-off graphs-all)
     flags=("" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_graph_min_graph_size=1")
     failed=0  # each measurement, whatever became of the one before
-    for i in 0 1 2; do
+    timeout 100 $PYTHON tests/benchmarks/actor_calls.py --seconds 2 --out "$out/as-is" -- "$@" || failed=1
+    timeout 150 $PYTHON tests/benchmarks/compiled_rollout.py --out "$out/as-is" -- "$@" || failed=1
+    timeout 100 $PYTHON tests/benchmarks/device_trace.py --actors --algo impala --calls 3 --out "$out/as-is" \
+      -- "$@" || failed=1
+    for i in 1 2; do
       XLA_FLAGS="${XLA_FLAGS:-} ${flags[$i]}" timeout 100 $PYTHON tests/benchmarks/actor_calls.py --seconds 2 \
         --out "$out/${variants[$i]}" -- "$@" || failed=1
     done
-    timeout 100 $PYTHON tests/benchmarks/device_trace.py --actors --algo impala --calls 3 --out "$out/as-is" \
-      -- "$@" || failed=1
     for i in 0 2 1; do
       XLA_FLAGS="${XLA_FLAGS:-} ${flags[$i]}" timeout 100 $PYTHON tests/benchmarks/actors_alone.py --algos impala \
         --pools 1 --seconds 3 --out "$out/${variants[$i]}" -- "$@" || failed=1
