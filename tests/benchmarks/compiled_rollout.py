@@ -9,7 +9,7 @@ On a CPU each actor thread's rollout is a jitted lax.scan of the script's act, E
 observe. On an H100 on 2026-11-23 that program gave wrong data at 64 envs x 128 steps (garbage bytes in the episode
 ends, NaN returns, observations unlike a CPU's) and the right data at 8 x 32, while EnvPool's operation alone in a
 scan was right (docs/notes/compiled-rollout.md). EnvPool's GPU step has waited for its copies before returning since
-EnvPool #393 (April 2026, every release from 1.2.0): so it was not a copy from a host buffer freed before it ended.
+EnvPool #393 (April 2026, every release from 1.2.0): so it was very likely not a copy from a freed host buffer.
 
 For each shape ENVSxSTEPS in --shapes, a script's defaults otherwise (IMPALA's, Breakout-v5, XLA's deterministic GPU
 ops as the script sets them): one EnvPool of ENVS envs (the script's share of the cores for a thread) collects
