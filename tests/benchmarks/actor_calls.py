@@ -5,15 +5,17 @@ recorded step of E envs, called as its actor loop on a GPU calls them, from one 
     python tests/benchmarks/actor_calls.py --out /tmp/calls --seconds 1 --envs 4 8   # on a CPU
 
 An actor step on a GPU is EnvPool's recv, `observe` (the step's outputs copied to the device, the episodes'
-bookkeeping), `act` (inference and sampling), the wait for the actions on the host, and EnvPool's send; the envs idle
-from recv to send. Here each thread repeats the middle three on the same recorded outputs (a real step of a pool of
-E envs, random actions): for each number of envs per call (--envs) and of threads (--threads), the calls per second
-in all and each phase's host time per call. N threads making N times the calls of one run side by side; as many as
-one, something they share (the GIL, the GPU client, the device) serialises them, and more actor threads or EnvPools
-per thread cannot hide the calls (docs/performance.md: "the actors' own work looks serialised"). A script's defaults
-(IMPALA's by default, Breakout-v5), XLA's deterministic GPU ops as the script sets them (--no-deterministic-gpu: off);
-XLA_FLAGS of the user's stay, so that XLA's options can be compared (its CUDA graphs, say), each in its own --out.
-Written to --out after each measurement: actor_calls_<algo>_<det|nondet>.json and .md.
+bookkeeping), `act` (inference and sampling), the wait for the actions on the host, and EnvPool's send; the envs
+idle from recv to send. Here each thread repeats the middle three on the same recorded outputs (a real step of a
+pool of E envs, random actions): for each number of envs per call (--envs) and of threads (--threads), the calls per
+second in all and each phase's host time per call. EnvPool's recv and send, and a rollout's stacking and bootstrap,
+are not timed here (actor_step.py times the first two with the environments). N threads making N times the calls of
+one run side by side; as many as one, something they share (the GIL, the GPU client, the device) serialises them,
+and more actor threads or EnvPools per thread cannot hide the calls (docs/performance.md: "the actors' own work may
+be serialised"). A script's defaults (IMPALA's by default, Breakout-v5), XLA's deterministic GPU ops as the script
+sets them (--no-deterministic-gpu: off); XLA_FLAGS of the user's stay, so that XLA's options can be compared (its
+CUDA graphs, say), each in its own --out. Written to --out after each measurement:
+actor_calls_<algo>_<det|nondet>.json and .md.
 """
 
 import argparse
@@ -47,13 +49,14 @@ def recorded_step(algo, args, networks, num_envs: int):
 
 
 def timed_calls(observe, act, params, state, outputs, seconds: float, action_dtype) -> dict:
-    """One thread's calls for --seconds after its warm-up: (calls, host seconds by phase)."""
+    """One thread's calls for --seconds after its warm-up: the calls, the seconds they took, host seconds by phase."""
     totals = dict.fromkeys(PHASES, 0.0)
     calls = 0
     deadline = None
     while deadline is None or time.perf_counter() < deadline:
         if deadline is None and calls == WARMUP_CALLS:
-            deadline = time.perf_counter() + seconds
+            first = time.perf_counter()
+            deadline = first + seconds
             totals = dict.fromkeys(PHASES, 0.0)
             calls = 0
         start = time.perf_counter()
@@ -66,7 +69,7 @@ def timed_calls(observe, act, params, state, outputs, seconds: float, action_dty
         for phase, seconds_taken in zip(PHASES, [observed - start, acted - observed, waited - acted], strict=True):
             totals[phase] += seconds_taken
         calls += 1
-    return dict(calls=calls, seconds=totals)
+    return dict(calls=calls, elapsed=time.perf_counter() - first, seconds=totals)
 
 
 def measure(algo, args, networks, params, device, num_envs: int, thread_counts: list[int], seconds: float) -> list:
@@ -86,7 +89,8 @@ def measure(algo, args, networks, params, device, num_envs: int, thread_counts: 
         throughput.in_threads(work, num_threads)
         calls = sum(r["calls"] for r in results)
         host_ms = {phase: 1000 * sum(r["seconds"][phase] for r in results) / calls for phase in PHASES}
-        runs.append(dict(envs=num_envs, threads=num_threads, calls_per_s=calls / seconds, ms_per_call=host_ms))
+        calls_per_s = sum(r["calls"] / r["elapsed"] for r in results)  # each thread's own window: they start apart
+        runs.append(dict(envs=num_envs, threads=num_threads, calls_per_s=calls_per_s, ms_per_call=host_ms))
     envs.close()
     return runs
 
