@@ -128,6 +128,17 @@ def session_processes(session_id: int) -> list[int]:
     return pids
 
 
+def lingering_processes(session_ids: list[int], grace: float = 10.0) -> list[int]:
+    """The live processes of these sessions once they have had `grace` seconds to end: one SIGKILLed a moment ago may
+    still be tearing down its memory (seconds for a large process on a loaded machine); one left running stays."""
+    deadline = time.time() + grace
+    while True:
+        left = [pid for session_id in session_ids for pid in session_processes(session_id)]
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import flax.serialization
 import numpy as np
-from helpers import REPO, SCRIPTS, free_port, read_scalars, session_processes
+from helpers import REPO, SCRIPTS, free_port, lingering_processes, read_scalars
 from slurm_cluster import slurm_cluster
 from soak_task import with_file_size_limit
 
@@ -189,7 +189,7 @@ class Processes:
                 raise AssertionError(f"{self.log_prefix}: a process still runs after {timeout} s") from None
         for reader in self.readers:
             reader.join(timeout=10)
-        left = [pid for proc in self.procs for pid in session_processes(proc.pid)]
+        left = lingering_processes([proc.pid for proc in self.procs])  # killed ones may still be ending
         assert not left, f"{self.log_prefix}: processes left running: {left}"
         codes = [proc.returncode for proc in self.procs]
         write_log(self.log_prefix, codes, self.stdout, self.stderr)
