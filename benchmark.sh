@@ -59,7 +59,7 @@
 #                            profiler (~1 minute a script); in docs/results/gpu/update_trace_<algo>_det.{json,md} (--out
 #                            DIR elsewhere; --raw-out DIR: the programs and traces too; --no-deterministic-gpu: without
 #                            XLA's deterministic ops; --actors: the actors' rollouts instead, actor_trace_<algo>_*)
-#   gpu-actors               on this machine's GPU, in ~8 minutes: where the actors' own work goes. IMPALA's actor calls
+#   gpu-actors               on this machine's GPU, in 6.5 min: where the actors' own work goes. IMPALA's actor calls
 #                            without environments (tests/benchmarks/actor_calls.py: 32, 64 and 128 envs per call, 1, 2
 #                            and 4 threads at once); whether the rollout compiled into one program, as on a CPU,
 #                            collects what the GPU's loop does, and in how long (compiled_rollout.py); its actors'
@@ -68,7 +68,7 @@
 #                            off (graphs-off), and holding every kernel, convolutions too (graphs-all); in
 #                            docs/results/gpu/actors/<variant>/ (--out DIR elsewhere, then -- and the script's flags).
 #                            It keeps to a budget, BUDGET=390 seconds by default (a call of the project's GPU machine
-#                            runs 10 minutes at most), reporting what did not fit as skipped
+#                            runs 10 minutes at most), reporting what did not fit as skipped (all of it takes ~8 min)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on
@@ -294,7 +294,8 @@ case "$grid" in
     if [ "${1:-}" = --out ]; then out=${2:?--out needs a directory}; shift 2; fi
     [ "${1:-}" = -- ] && shift  # then the script's flags (a dry run on a CPU: -- --local-num-envs 8 --num-steps 8)
     variants=(as-is graphs-off graphs-all)
-    flags=("" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_graph_min_graph_size=1")
+    flags=("" "--xla_gpu_enable_command_buffer="
+      "--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_graph_min_graph_size=1")
     deadline=$((SECONDS + ${BUDGET:-390}))
     failed=0  # each measurement, whatever became of the one before
     measure() {  # CAP COMMAND...: stopped after CAP seconds or at the budget's end; skipped with under 30 s left
