@@ -415,7 +415,7 @@ def observe(args: Args, env: EnvState, handle, outputs) -> tuple[EnvState, dict]
 def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
     """(EnvPool's handle, an actor thread's rollout (params, its pools' states) -> (their next states, the batch)):
     num_steps of `act`, the envs' step and `observe`, then `bootstrap`. On a CPU with one pool, one jitted program (a
-    lax.scan of EnvPool's XLA step); else the pools take turns, a pool's envs stepping while the next is inferred."""
+    scan of EnvPool's XLA step, wrong on a GPU once: docs/notes/compiled-rollout.md); else the pools step in turns."""
     act = jax.jit(act)
     observe_step = jax.jit(functools.partial(observe, args))
     bootstrap = jax.jit(bootstrap)
