@@ -10,12 +10,12 @@
 #                            third run beside them)
 #   minigrid-memory          PPO on MiniGrid-MemoryS11-v0 (the smallest Memory room whose cue is out of view from the
 #                            split) with and without an LSTM (--lstm-size 64), 3M steps, 3 seeds: the recurrent and
-#                            the feed-forward seeds side by side, one worker each (~75 minutes on 2 CPU cores)
+#                            the feed-forward seeds side by side, one worker each (~55 minutes on 2 CPU cores)
 #   memory                   CartPole-v1 with its velocities hidden (--mask-obs 1 3: a memory test), PPO (200k steps)
 #                            and IMPALA (500k), each with an LSTM (--lstm-size 64 --critic-core) and without, 3 seeds
 #                            (1 worker, ~8 minutes on a CPU core)
 #   results                  laptop, then mujoco: the README's results table. Then:
-#                            .venv/bin/python cleanba/aggregate.py runs --out results
+#                            .venv/bin/python cleanba/aggregate.py runs --out docs/results
 #   ppo-atari57              PPO, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), synchronous (PPO's default)
 #   ppo-atari57-cleanba      the same with the Cleanba architecture (--concurrency)
 #   impala-atari57           IMPALA, Atari-57 x 3 seeds, one GPU per run (a0-l0-d1), Cleanba architecture
@@ -30,8 +30,9 @@
 #                            gamma 0.999, rewards normalised); the model saved
 #   procgen-cleanba          the same with the original Cleanba's number of Procgen envs (60: 2 x 30); its other
 #                            settings are those above
-#   procgen-test             each finished Procgen run under runs/ plays 100 episodes on unseen levels
-#                            (cleanba/evaluate.py --levels unseen); then aggregate.py reports train and test returns
+#   procgen-test             each finished Procgen run under runs/ (one with its saved model; the others are named
+#                            and skipped) plays 100 episodes on unseen levels (cleanba/evaluate.py --levels unseen);
+#                            then aggregate.py reports train and test returns
 #   procgen-cpu              what a CPU can show of Procgen in about an hour per game: IMPALA on StarpilotEasy-v0, then
 #                            on CoinrunEasy-v0 (200 levels, 16 envs x 64 steps, 500k steps); then 20 episodes of each on
 #                            its training levels and 20 on unseen ones (their returns printed); aggregate.py's train and
@@ -39,7 +40,7 @@
 #                            docs/results/procgen_cpu/
 #   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
 #                            kinds each from a seeded schedule, every invariant checked; figures in
-#                            docs/results/soak/soak.{json,md} (~40 minutes on 2 CPU cores)
+#                            docs/results/soak/soak.{json,md} (~20 minutes on 2 CPU cores)
 #   soak-slurm               the same soak with the run as a SLURM job (cleanba/launch.py --slurm, its template's
 #                            --requeue) on a one-node cluster started here (root, slurm-wlm and munge, as setup.sh
 #                            installs them); figures in docs/results/soak/soak_slurm.{json,md}
@@ -262,7 +263,11 @@ case "$grid" in
       $PYTHON cleanba/cleanba_ppo.py --exp-name cleanba_ppo_procgen_cleanba --local-num-envs 30 $PROCGEN_PPO $PROCGEN_RUN ;;
   procgen-test)
     for run in runs/*Easy-v0__cleanba_ppo_procgen*; do
-      $PYTHON cleanba/evaluate.py "$run" --levels unseen --episodes 100 "$@"
+      if compgen -G "$run/*.cleanba_model" > /dev/null; then
+        $PYTHON cleanba/evaluate.py "$run" --levels unseen --episodes 100 "$@"
+      else  # a run still training, or stopped before its end: the grid goes on with the others
+        echo "procgen-test: skipped $run: no saved model (not finished)" >&2
+      fi
     done ;;
   # --8<-- [end:procgen]
   procgen-cpu)
