@@ -100,6 +100,8 @@ def on_actor_axis(params):  # the device axis the actors' rollout takes
 
 def evaluate(run_dir: str, episodes: int, seed: int | None = None, levels: str = "train") -> list[float]:
     script, args, networks = load_run(run_dir, seed, levels)
+    if levels == "unseen":
+        print(f"unseen levels: {args.start_level} to {args.start_level + args.num_levels - 1}")
     envs = script.make_env(args, 1, EVAL_ENV_INDEX)
     handle, rollout = script.make_rollout(args, networks, [envs], jax.default_backend())
     params = saved_params(run_dir, args.exp_name)

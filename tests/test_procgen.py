@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from helpers import REPO, finished_run, train
+from evaluate import UNSEEN_LEVELS
+from helpers import REPO, finished_run, read_scalars, train
 
 # A game per script, so that three of the sixteen are exercised; easy mode, as the generalisation protocol.
 GAMES = {"ppo": "StarpilotEasy-v0", "impala": "BigfishEasy-v0", "pqn": "CoinrunEasy-v0"}
@@ -32,8 +33,12 @@ def test_procgen_trains_on_its_levels_and_plays_unseen_ones(algo, tmp_path):
     assert (run.config["args"]["num_levels"], run.config["args"]["start_level"]) == (10, 5)
     unseen = evaluate(run_dir, "--levels", "unseen", "--episodes", 2)
     assert unseen.returncode == 0, unseen.stderr[-3000:]
+    first_unseen = 5 + 10  # after the training levels, 5 to 14
+    assert f"unseen levels: {first_unseen} to {first_unseen + UNSEEN_LEVELS - 1}\n" in unseen.stdout, unseen.stdout
     assert unseen.stdout.count(" on unseen levels: return ") == 2, unseen.stdout
     assert "mean return over 2 episodes on unseen levels: " in unseen.stdout
+    scalars = read_scalars(run_dir)  # logged apart from the training levels' evaluation
+    assert len(scalars["eval/unseen_levels_episodic_return"]) == 2 and "eval/episodic_return" not in scalars
 
 
 def test_unseen_levels_need_a_run_that_left_some_out(sync_run):

@@ -73,11 +73,18 @@ def test_same_layout_twice_is_bitwise_identical(sync_run, sync_rerun):
     assert len(os.listdir(cache)) >= 3
 
 
+def compare_runs(run_a: str, run_b: str) -> subprocess.CompletedProcess:  # cleanba/compare_runs.py, as users run it
+    command = [sys.executable, os.path.join(REPO, "cleanba", "compare_runs.py"), run_a, run_b]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
 def test_cleanba_architecture_twice_is_bitwise_identical(cleanba_run, cleanba_rerun):
     """The actor overlaps the learner, one version behind: thread timing decides when each runs, never what
-    they compute, so the same configuration gives the same bits."""
+    they compute, so the same configuration gives the same bits; compare_runs.py says so and exits 0."""
     assert [record["data_version"] for record in cleanba_run.records][:3] == [1, 1, 2]
     assert_bitwise_identical(cleanba_run, cleanba_rerun)
+    result = compare_runs(cleanba_run.path, cleanba_rerun.path)
+    assert result.returncode == 0 and "identical" in result.stdout, result.stdout
 
 
 def test_one_vs_two_actor_threads(sync_run, one_thread_run):
@@ -185,11 +192,8 @@ def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
     first_difference = same_batches.index(False)
     assert not any(same_batches[first_difference:]), same_batches
 
-    tool = [sys.executable, os.path.join(REPO, "cleanba", "compare_runs.py")]
-    result = subprocess.run([*tool, cleanba_run.path, sync_run.path], capture_output=True, text=True)
+    result = compare_runs(cleanba_run.path, sync_run.path)
     assert result.returncode == 1 and "first differ at update" in result.stdout, result.stdout
-    result = subprocess.run([*tool, cleanba_run.path, cleanba_run.path], capture_output=True, text=True)
-    assert result.returncode == 0 and "identical" in result.stdout, result.stdout
 
 
 @pytest.mark.slow

@@ -45,11 +45,18 @@ Q_NETWORK = {"Networks", "make_networks", "Outputs", "forward"}
 
 def definitions(path: str) -> dict[str, str]:
     """{name: source} of a script's top-level functions, classes and constants, and of each class's methods
-    (as Class.method); a class's own entry then holds its source without those methods."""
+    (as Class.method); a class's own entry then holds its source without those methods. The other top-level
+    statements but the imports and the docstring (the hand-off to the supervisor, the __main__ block) are named by
+    their order, "statement 1" on."""
     with open(path) as f:
         source = f.read()
     found = {}
-    for node in ast.parse(source).body:
+    body = ast.parse(source).body
+    named = ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef | ast.Assign | ast.AnnAssign
+    others = [node for node in body[1:] if not isinstance(node, named)]  # body[0]: the docstring
+    for number, node in enumerate(others, start=1):
+        found[f"statement {number}"] = ast.get_source_segment(source, node)
+    for node in body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             found[node.name] = ast.get_source_segment(source, node)
             if isinstance(node, ast.ClassDef):

@@ -35,8 +35,9 @@ def test_cartpole_learns_and_resumes_after_sigterm(tmp_path, algo):
     pipeline restarts). A signal from outside (tests/test_memory.py, tests/test_failures.py) lands at an update that
     depends on timing, and the resume restarts every episode, so where it lands decides the rest of the run: stopped
     after each of PPO's updates 115-132 and resumed, this run ended at ~160 to 500 (10 of 17 at 450 or more). Here
-    the script sends itself SIGTERM during update 120 (CLEANBA_FAULT), so that the test checks one run, always."""
-    flags = [*CARTPOLE_SOLVE[algo], "--checkpoint-interval", 0]
+    the script sends itself SIGTERM during update 120 (CLEANBA_FAULT), so that the test checks one run, always. The
+    model it saves plays as well in cleanba/evaluate.py."""
+    flags = [*CARTPOLE_SOLVE[algo], "--checkpoint-interval", 0, "--save-model"]
     proc = start(tmp_path, *flags, algo=algo, env={**script_env(), "CLEANBA_FAULT": "sigterm@120"})
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
@@ -85,6 +86,10 @@ def test_cartpole_learns_and_resumes_after_sigterm(tmp_path, algo):
     # the collapse that the old settings showed ended at ~200 (see the README's results).
     final = np.mean(after_resume[-3:])
     assert (final >= 450) if algo != "impala" else (max(after_resume) >= 450 and final >= 400), after_resume
+    # The saved model is the trained one: cleanba/evaluate.py plays it far above a random policy's ~20 (PQN at its
+    # final exploration rate).
+    played = evaluate(run_dir, 3)
+    assert np.mean(played) >= 300, played
 
 
 def test_version_contract(sync_run, cleanba_run):
