@@ -223,6 +223,29 @@ def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
     assert len(run_dirs(tmp_path)) == 1
 
 
+def test_checkpoints_by_time_alone(tmp_path):
+    """With --checkpoint-interval 0 a run checkpoints every --checkpoint-minutes (here 1.2 s) while it trains, not only
+    when it stops: checkpoints of later and later updates come while the run goes on."""
+    flags = [*LONG_CARTPOLE, "--num-actor-threads", 1, "--checkpoint-interval", 0, "--checkpoint-minutes", 0.02]
+    proc = start(tmp_path, *flags)
+    written = []  # the updates of the checkpoints seen, in order
+    try:
+        wait_for_updates(tmp_path, 1, proc)
+        run_dir = only_run(tmp_path)
+        deadline = time.time() + 60
+        while len(written) < 2 and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            if os.path.exists(os.path.join(run_dir, "checkpoint.msgpack")):
+                update = load_checkpoint(run_dir)["update"]
+                if update not in written:
+                    written.append(update)
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert len(written) == 2 and 0 < written[0] < written[1], written
+
+
 CHECKPOINTED = [*CARTPOLE, "--num-actor-threads", 1, "--checkpoint-interval", 4]
 
 
