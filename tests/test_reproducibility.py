@@ -151,7 +151,7 @@ def test_layout_free_runs_are_the_same_on_every_layout(tmp_path, algo):
     two_processes = finished_run(tmp_path / "processes", two_processes)
     assert two_processes.config["layout"]["processes"] == 2
     assert_bitwise_identical(one, two_processes)
-    if algo == "ppo":  # evaluate.py plays it, the LSTMs' states carried through each episode
+    if algo == "ppo":  # evaluate.py plays a run of recurrent towers (that it runs; what it scores is not checked)
         assert len(evaluate(one.path, 2)) == 2
 
 
