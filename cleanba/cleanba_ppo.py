@@ -781,8 +781,9 @@ def check_args(args: Args):
     for name in ["actor_device_ids", "learner_device_ids"]:
         if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
-    if args.run_name is not None and (not args.run_name or "/" in args.run_name or args.run_name.startswith(".")):
-        raise ConfigError(f"--run-name {args.run_name!r} must be a plain directory name")
+    for flag, name in [("--run-name", args.run_name), ("--exp-name", args.exp_name)]:  # a directory, the model's file
+        if name is not None and (not name or "/" in name or name.startswith(".")):
+            raise ConfigError(f"{flag} {name!r} must be a plain name: not empty, no '/', no leading '.'")
     if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
         raise ConfigError("--gamma and --gae-lambda must lie in [0, 1]")
     if args.num_steps % args.num_minibatches:  # each minibatch takes as many steps from every environment
@@ -832,7 +833,6 @@ def check_args(args: Args):
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
         if check.returncode:
             raise ConfigError(f"--capture-video: {check.stderr.strip()}")
-    # Continuous control (MuJoCo) normalises by default.
     args.norm_obs = networks.continuous if args.norm_obs is None else args.norm_obs
     args.norm_reward = networks.continuous if args.norm_reward is None else args.norm_reward
     if args.norm_obs and hasattr(spec.observation_space, "spaces"):
@@ -1232,14 +1232,14 @@ class RunDir:
                 f.write(hashlib.sha256(contents).hexdigest().encode() + b"\n" + contents)
                 f.flush()
                 os.fsync(f.fileno())
+            for older, newer in reversed(list(zip(paths[1:], paths[:-1], strict=True))):
+                if os.path.exists(newer):  # copied, not linked: a bit that flips in one is not flipped in the other
+                    shutil.copyfile(newer, f"{older}.tmp")
+                    os.replace(f"{older}.tmp", older)
         except OSError as error:  # disk full, quota, a file-size limit: the checkpoints written before stay as they are
             kept = "the checkpoints written before are intact: run the same command to resume"
             print(f"error: writing {paths[0]}.tmp after update {update} failed ({error}); {kept}", file=sys.stderr)
             os._exit(CHECKPOINT_NOT_WRITTEN)
-        for older, newer in reversed(list(zip(paths[1:], paths[:-1], strict=True))):
-            if os.path.exists(newer):  # copied, not linked: a bit that flips in one is not flipped in the other
-                shutil.copyfile(newer, f"{older}.tmp")
-                os.replace(f"{older}.tmp", older)
         os.replace(f"{paths[0]}.tmp", paths[0])
 
     def close(self, finished: bool):

@@ -71,6 +71,9 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
+    if args.updates is not None and args.updates <= 0:
+        print(f"error: --updates must be positive, got {args.updates}", file=sys.stderr)
+        sys.exit(2)
     runs = []
     for run_dir in (args.run_a, args.run_b):
         try:
@@ -79,6 +82,10 @@ def main():
             print(f"error: {run_dir} is not a readable run directory: {error}", file=sys.stderr)
             sys.exit(2)
     (config_a, updates_a), (config_b, updates_b) = runs
+    if not updates_a or not updates_b:  # a run stopped before its first update: nothing to compare
+        empty = args.run_a if not updates_a else args.run_b
+        print(f"error: {empty} has no update in its updates.jsonl: nothing to compare", file=sys.stderr)
+        sys.exit(2)
     result = compare(updates_a, updates_b, args.updates)
     for label, run_dir, config in (("A", args.run_a, config_a), ("B", args.run_b, config_b)):
         layout = config["layout"]

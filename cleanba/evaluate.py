@@ -200,6 +200,9 @@ def main():
     if not glob.glob(os.path.join(args.run_dir, "*.cleanba_model")):
         print(f"error: {args.run_dir} holds no model (train with --save-model)", file=sys.stderr)
         sys.exit(2)
+    if not os.path.isfile(os.path.join(args.run_dir, "config.json")):
+        print(f"error: {args.run_dir} holds no config.json: not a run directory of the scripts", file=sys.stderr)
+        sys.exit(2)
     with open(os.path.join(args.run_dir, "config.json")) as f:
         run_args = json.load(f)["args"]
     if args.levels == "unseen" and not run_args.get("num_levels"):

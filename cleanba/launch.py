@@ -12,13 +12,15 @@ Each experiment runs the command after `--` with `--env-id ENV --seed SEED` appe
 experiments share the machine in `--workers` slots: a slot owns a fixed share of the CPU cores (and of
 `--device-ids`, exported as CUDA_VISIBLE_DEVICES; with more workers than GPUs, several share one GPU, each with
 its share of its memory), the next experiment starts when one finishes, and failed experiments are listed at
-the end (exit status 1). On SLURM, `--wait` waits for the array job
+the end (exit status 1); a stop signal (SIGTERM, Ctrl-C) is passed on to the experiments running, which checkpoint
+and exit, and starts no more (exit status 128 + the signal). On SLURM, `--wait` waits for the array job
 and does the same from the tasks' status files. A tool: the training scripts never import it.
 """
 
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -66,6 +68,15 @@ def parse_args(argv):
     for name in ["workers", "nodes", "ntasks_per_node", "cpus_per_task", "max_parallel"]:
         if getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')} must be positive")
+    if args.gpus_per_task < 0:
+        problems.append("--gpus-per-task must be >= 0")
+    for name in ["env_ids", "seeds", "device_ids"]:
+        if len(set(getattr(args, name))) != len(getattr(args, name)):
+            problems.append(f"--{name.replace('_', '-')} names one twice: {' '.join(map(str, getattr(args, name)))}")
+    if not all(i.isdigit() or i.startswith(("GPU-", "MIG-")) for i in args.device_ids):  # as CUDA_VISIBLE_DEVICES
+        problems.append(f"--device-ids takes GPU indices or UUIDs, got {' '.join(args.device_ids)}")
+    if not args.job_name or "/" in args.job_name:
+        problems.append(f"--job-name {args.job_name!r} must be a plain name: it names the job's files")
     if args.slurm and args.nodes * args.ntasks_per_node > 1 and "--distributed" not in args.command:
         problems.append(
             "--nodes x --ntasks-per-node > 1 runs one process per task: the command needs --distributed, "
@@ -94,7 +105,10 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
             slot_gpus = [gpus[i % len(gpus)]] if gpus else []
         slots.append((set(slot_cores), slot_gpus))
     pending, running, results = list(experiments(args)), {}, []
-    while pending or running:
+    stopped_by = []  # a stop signal to the launcher: passed on to the running experiments, none started after it
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: stopped_by.append(signum))
+    while (pending or running) and not stopped_by:
         for slot, (slot_cores, devices) in enumerate(slots):
             if slot in running or not pending:
                 continue
@@ -125,6 +139,14 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
                 results.append((env_id, seed, proc.returncode, log_path))
                 print(f"[slot {slot}] {env_id} seed {seed} exited {proc.returncode}", flush=True)
         time.sleep(0.2)
+    if stopped_by:  # each experiment checkpoints after its update and exits; the same grid command resumes them
+        for proc, *_ in running.values():
+            proc.send_signal(stopped_by[0])
+        for proc, *_ in running.values():
+            proc.wait()
+        name = signal.Signals(stopped_by[0]).name
+        print(f"stopped by {name}: {len(running)} experiments stopped, {len(pending)} not started", flush=True)
+        sys.exit(128 + stopped_by[0])
     return results
 
 

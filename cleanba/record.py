@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 
+import envpool
 import flax.serialization
 import imageio.v2 as imageio
 from evaluate import FRAMES_PER_SECOND, Recorder, on_actor_axis, render_refusal, write_video
@@ -73,11 +74,12 @@ def main(run_dir: str, parent: int):
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--check":  # the scripts' --capture-video asks before a run starts
-        refusal = render_refusal(sys.argv[2])
+        known = sys.argv[2] in envpool.list_all_envs()
+        refusal = render_refusal(sys.argv[2]) if known else f"{sys.argv[2]}: not an EnvPool environment"
         if refusal:
             print(refusal, file=sys.stderr)
         sys.exit(2 if refusal else 0)
-    if len(sys.argv) != 3 or not os.path.isfile(os.path.join(sys.argv[1], "config.json")):
+    if len(sys.argv) != 3 or not os.path.isfile(os.path.join(sys.argv[1], "config.json")) or not sys.argv[2].isdigit():
         print(
             "usage: python cleanba/record.py RUN_DIR TRAINING_PID (a run directory with config.json)", file=sys.stderr
         )

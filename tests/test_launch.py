@@ -26,6 +26,7 @@ from helpers import (
     read_scalars,
     run_dirs,
     run_processes,
+    session_processes,
 )
 
 SHORT = "--local-num-envs 4 --num-actor-threads 1 --num-steps 32 --total-timesteps 2560 --log-frequency 2".split()
@@ -182,6 +183,51 @@ def test_slurm_dry_run_renders_the_template(tmp_path):
     assert not os.path.exists(tmp_path / "launch_logs")  # a dry run writes nothing
     two_tasks = tool("launch", tmp_path, "--slurm --dry-run --ntasks-per-node 2 --env-ids CartPole-v1 --", short_ppo())
     assert two_tasks.returncode == 2 and "--distributed" in two_tasks.stderr  # tasks of one run need it
+
+
+LAUNCH_BAD_INPUT = [
+    ("--seeds 1 1", "--seeds names one twice"),  # two runs in one run directory, writing one log
+    ("--device-ids 0 0", "--device-ids names one twice"),
+    ("--device-ids gpu0", "--device-ids takes GPU indices or UUIDs"),
+    ("--slurm --dry-run --gpus-per-task -1", "--gpus-per-task must be >= 0"),
+    ("--slurm --dry-run --job-name a/b", "--job-name 'a/b' must be a plain name"),
+]
+
+
+@pytest.mark.parametrize("flags, refusal", LAUNCH_BAD_INPUT)
+def test_launcher_refuses_bad_input(tmp_path, flags, refusal):
+    """One line naming the flag, exit status 2, nothing started or written."""
+    result = tool("launch", tmp_path, f"--env-ids CartPole-v1 {flags} --", short_ppo())
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {refusal}"), result.stderr
+    assert result.stdout == "" and os.listdir(tmp_path) == []
+
+
+def test_a_stopped_launcher_stops_its_experiments(tmp_path):
+    """SIGTERM to the local launcher (not to its process group: `kill PID`) reaches the experiments it runs: each
+    checkpoints and exits as a stopped run does, none starts after it, and nothing is left running."""
+    long_ppo = command("ppo", [*SHORT[:4], "--total-timesteps", "5000000"], shared_cache=True)
+    grid = "--env-ids CartPole-v1 --seeds 1 2 3 --workers 2 --".split()
+    launcher = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "cleanba", "launch.py"), *grid, *long_ppo],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while len(glob.glob(str(tmp_path / "runs" / "*" / "checkpoint.msgpack"))) < 2:  # both running, past an update
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[0]
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    output = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 128 + signal.SIGTERM, output
+    assert output.splitlines()[-1] == "stopped by SIGTERM: 2 experiments stopped, 1 not started", output
+    for seed in (1, 2):
+        with open(tmp_path / "launch_logs" / f"CartPole-v1__{seed}.log") as f:
+            assert f.read().splitlines()[-1].startswith("stopped by SIGTERM after update "), seed
+    assert session_processes(launcher.pid) == []
 
 
 def test_local_grid_bounds_concurrency_and_reports_failures(local_grid):

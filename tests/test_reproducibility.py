@@ -9,6 +9,7 @@ and for the total loss, which contains the policy loss. See README, "Reproducibi
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -73,9 +74,20 @@ def test_same_layout_twice_is_bitwise_identical(sync_run, sync_rerun):
     assert len(os.listdir(cache)) >= 3
 
 
-def compare_runs(run_a: str, run_b: str) -> subprocess.CompletedProcess:  # cleanba/compare_runs.py, as users run it
-    command = [sys.executable, os.path.join(REPO, "cleanba", "compare_runs.py"), run_a, run_b]
+def compare_runs(*args: str) -> subprocess.CompletedProcess:  # cleanba/compare_runs.py, as users run it
+    command = [sys.executable, os.path.join(REPO, "cleanba", "compare_runs.py"), *args]
     return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_compare_runs_never_calls_nothing_the_same(sync_run, tmp_path):
+    """--updates 0, or a run stopped before its first update: one line and exit status 2, not SAME."""
+    empty = tmp_path / "stopped-at-start-up"
+    empty.mkdir()
+    shutil.copy(os.path.join(sync_run.path, "config.json"), empty)
+    (empty / "updates.jsonl").write_text("")
+    for args in [(sync_run.path, sync_run.path, "--updates", "0"), (sync_run.path, str(empty))]:
+        result = compare_runs(*args)
+        assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
 
 
 def test_cleanba_architecture_twice_is_bitwise_identical(cleanba_run, cleanba_rerun):

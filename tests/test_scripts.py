@@ -169,6 +169,7 @@ BAD_INPUT = [
     (["--num-minibatches", -1], "--num-minibatches"),
     (["--num-actor-threads", 0], "--num-actor-threads"),
     (["--run-name", "../elsewhere"], "--run-name"),
+    (["--exp-name", "ablations/lr"], "--exp-name"),  # in the run's name and its model's file name
     (["--env-threads", -1], "--env-threads"),
     (["--lstm-size", -1], "--lstm-size"),
     (["--frame-stack", 1], "--frame-stack"),  # Atari's option, CartPole's run

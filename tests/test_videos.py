@@ -4,14 +4,18 @@
 import glob
 import os
 import shutil
+import subprocess
+import sys
 
 import imageio.v2 as imageio
 import numpy as np
 import pytest
 from conftest import SYNC_FLAGS
-from helpers import check, finished_run, run
+from helpers import REPO, check, finished_run, run
 from tensorboard.backend.event_processing import event_accumulator
 from test_training import run_evaluate
+
+RECORD = os.path.join(REPO, "cleanba", "record.py")  # --capture-video's recorder, which asks it first (--check)
 
 
 @pytest.mark.parametrize("algo", ["ppo"], indirect=True)
@@ -40,6 +44,15 @@ def test_evaluate_records_playable_videos(sync_run, tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         f"error: {tmp_path} holds no model (train with --save-model)"
     ]
+    model_only = tmp_path / "model-only"  # a model copied without the rest of its run directory
+    model_only.mkdir()
+    shutil.copy(glob.glob(os.path.join(sync_run.path, "*.cleanba_model"))[0], model_only)
+    refused = run_evaluate(str(model_only))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: {model_only} holds no config.json: not a run directory of the scripts"
+    ]
+    unknown = subprocess.run([sys.executable, RECORD, "--check", "NoSuchGame-v5"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and unknown.stderr == "NoSuchGame-v5: not an EnvPool environment\n"
 
 
 @pytest.mark.parametrize("algo", ["ppo"], indirect=True)
