@@ -770,7 +770,7 @@ RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
 def check_args(args: Args):
     """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
     positive = "total_timesteps local_num_envs num_steps num_minibatches num_actor_threads log_frequency"
-    positive += " env_pools keep_checkpoints heartbeat_timeout learning_rate checkpoint_minutes"
+    positive += " env_pools keep_checkpoints heartbeat_timeout learning_rate checkpoint_minutes max_grad_norm"
     for name in positive.split():
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

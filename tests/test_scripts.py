@@ -171,6 +171,7 @@ BAD_INPUT = [
     (["--run-name", "../elsewhere"], "--run-name"),
     (["--exp-name", "ablations/lr"], "--exp-name"),  # in the run's name and its model's file name
     (["--env-threads", -1], "--env-threads"),
+    (["--max-grad-norm", -1], "--max-grad-norm"),  # a norm clipped to a negative bound: no training
     (["--lstm-size", -1], "--lstm-size"),
     (["--frame-stack", 1], "--frame-stack"),  # Atari's option, CartPole's run
     (["--env-id", "Breakout-v5", "--frame-stack", 0], "--frame-stack"),
