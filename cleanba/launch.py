@@ -110,7 +110,7 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
         signal.signal(signum, lambda signum, frame: stopped_by.append(signum))
     while (pending or running) and not stopped_by:
         for slot, (slot_cores, devices) in enumerate(slots):
-            if slot in running or not pending:
+            if slot in running or not pending or stopped_by:
                 continue
             env_id, seed = pending.pop(0)
             log_path = os.path.join(args.log_dir, f"{env_id}__{seed}.log")
@@ -142,12 +142,26 @@ def run_locally(args) -> list[tuple[str, int, int, str]]:
     if stopped_by:  # each experiment checkpoints after its update and exits; the same grid command resumes them
         for proc, *_ in running.values():
             proc.send_signal(stopped_by[0])
-        for proc, *_ in running.values():
-            proc.wait()
+        while any(proc.poll() is None for proc, *_ in running.values()):
+            if len(stopped_by) > 1:  # a second signal: no waiting for the updates in progress
+                for proc, *_ in running.values():
+                    proc.kill()
+            time.sleep(0.2)
+        if results:  # those that ended before the signal
+            report(results)
         name = signal.Signals(stopped_by[0]).name
         print(f"stopped by {name}: {len(running)} experiments stopped, {len(pending)} not started", flush=True)
         sys.exit(128 + stopped_by[0])
     return results
+
+
+def report(results: list[tuple[str, int, int, str]]) -> bool:
+    """Prints how many experiments succeeded, and each one that failed; whether any did."""
+    failed = [r for r in results if r[2] != 0]
+    print(f"{len(results) - len(failed)} of {len(results)} experiments succeeded", flush=True)
+    for env_id, seed, status, log_path in failed:
+        print(f"FAILED {env_id} seed {seed}: exit status {status}, see {log_path}", flush=True)
+    return bool(failed)
 
 
 def render(args) -> str:
@@ -219,11 +233,7 @@ def main(argv=None):
     results = submit(args) if args.slurm else run_locally(args)
     if results is None:
         return
-    failed = [r for r in results if r[2] != 0]
-    print(f"{len(results) - len(failed)} of {len(results)} experiments succeeded", flush=True)
-    for env_id, seed, status, log_path in failed:
-        print(f"FAILED {env_id} seed {seed}: exit status {status}, see {log_path}", flush=True)
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if report(results) else 0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Launching grids and reading results: a real one-node SLURM cluster (Debian's slurm-wlm + munge,
 started by the fixture), the local launcher, and the aggregation of the grid's logs."""
 
+import contextlib
 import csv
 import glob
 import itertools
@@ -206,7 +207,7 @@ def test_launcher_refuses_bad_input(tmp_path, flags, refusal):
 def test_a_stopped_launcher_stops_its_experiments(tmp_path):
     """SIGTERM to the local launcher (not to its process group: `kill PID`) reaches the experiments it runs: each
     checkpoints and exits as a stopped run does, none starts after it, and nothing is left running."""
-    long_ppo = command("ppo", [*SHORT[:4], "--total-timesteps", "5000000"], shared_cache=True)
+    long_ppo = command("ppo", [*SHORT[:6], "--total-timesteps", "5000000"], shared_cache=True)
     grid = "--env-ids CartPole-v1 --seeds 1 2 3 --workers 2 --".split()
     launcher = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "cleanba", "launch.py"), *grid, *long_ppo],
@@ -216,18 +217,24 @@ def test_a_stopped_launcher_stops_its_experiments(tmp_path):
         text=True,
         start_new_session=True,
     )
-    deadline = time.time() + 120
-    while len(glob.glob(str(tmp_path / "runs" / "*" / "checkpoint.msgpack"))) < 2:  # both running, past an update
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[0]
-        time.sleep(0.2)
-    launcher.send_signal(signal.SIGTERM)
-    output = launcher.communicate(timeout=60)[0]
-    assert launcher.returncode == 128 + signal.SIGTERM, output
-    assert output.splitlines()[-1] == "stopped by SIGTERM: 2 experiments stopped, 1 not started", output
-    for seed in (1, 2):
-        with open(tmp_path / "launch_logs" / f"CartPole-v1__{seed}.log") as f:
-            assert f.read().splitlines()[-1].startswith("stopped by SIGTERM after update "), seed
-    assert session_processes(launcher.pid) == []
+    try:
+        deadline = time.time() + 180
+        logs = []
+        while sum(os.path.getsize(log) > 0 for log in logs) < 2:  # both experiments past their first update
+            assert launcher.poll() is None and time.time() < deadline, "the two experiments did not get going"
+            time.sleep(0.2)
+            logs = glob.glob(str(tmp_path / "runs" / "*" / "updates.jsonl"))
+        launcher.send_signal(signal.SIGTERM)
+        output = launcher.communicate(timeout=120)[0]
+        assert launcher.returncode == 128 + signal.SIGTERM, output
+        assert output.splitlines()[-1] == "stopped by SIGTERM: 2 experiments stopped, 1 not started", output
+        for seed in (1, 2):
+            with open(tmp_path / "launch_logs" / f"CartPole-v1__{seed}.log") as f:
+                assert f.read().splitlines()[-1].startswith("stopped by SIGTERM after update "), seed
+        assert session_processes(launcher.pid) == []
+    finally:  # a failure leaves nothing running beside the other tests
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
 
 
 def test_local_grid_bounds_concurrency_and_reports_failures(local_grid):
