@@ -639,8 +639,8 @@ def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoin
 
 
 def main(args: Args):
+    signals = StopSignals()  # SIGTERM (preemption), SIGINT (Ctrl-C): a checkpoint after the update, then exit
     cfg, run_name, checkpoint = start_up(args)
-    signals = StopSignals(cfg)  # SIGTERM (preemption), SIGINT (Ctrl-C): a checkpoint after the update, then exit
     spec = envpool.make_spec(args.env_id, **env_options(args))
     networks = make_networks(args, spec)
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
@@ -669,7 +669,7 @@ def main(args: Args):
             if update < cfg.num_updates:
                 actors.publish(state.params, update + 1)
             run_dir.log(update, data_version, record, timings, rollouts, state)
-            if signals.after_update():
+            if signals.after_update(cfg):
                 break
             run_dir.checkpoint(state, update, if_due=True)
             run_dir.report(update=update, checkpoint=run_dir.last_checkpoint)
@@ -1000,16 +1000,14 @@ def to_host(tree):  # one replica of a tree that pmap keeps on every learner dev
 
 
 class StopSignals:
-    """SIGTERM (SLURM's preemption) and SIGINT (Ctrl-C). After an update the run stops with a checkpoint, every process
-    after the same update. Before the first there is nothing to save: `stop` (see Actors) ends the start-up at once."""
+    """SIGTERM (SLURM's preemption) and SIGINT (Ctrl-C), from main's start. After an update the run stops with a
+    checkpoint, every process after the same one. Before the first, nothing to save: `stop` (see Actors) ends it."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self):
         self.received = []
         self.updates_done = 0
         self.stop = threading.Event()  # set by a thread's failure too
-        # All processes stop after the same update, or one would wait forever in a collective of the next.
-        self.any_process = jax.pmap(lambda stop: jax.lax.psum(stop, "devices"), "devices", devices=cfg.learner_devices)
+        self.any_process = None  # the collective below, made when the learner devices are known
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self.receive)
 
@@ -1018,10 +1016,12 @@ class StopSignals:
         if not self.updates_done:
             self.stop.set()
 
-    def after_update(self) -> bool:
+    def after_update(self, cfg: Config) -> bool:
         """Whether to stop now: a signal reached this process, or with several processes any of them."""
         self.updates_done += 1
-        stop = np.full(len(self.cfg.local_learner_devices), bool(self.received), np.int32)
+        if self.any_process is None:  # all processes stop after the same update, or one would wait in a collective
+            self.any_process = jax.pmap(lambda x: jax.lax.psum(x, "devices"), "devices", devices=cfg.learner_devices)
+        stop = np.full(len(cfg.local_learner_devices), bool(self.received), np.int32)
         return bool(to_host(self.any_process(stop)))
 
 

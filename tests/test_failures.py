@@ -185,6 +185,41 @@ def test_a_stop_signal_during_start_up_ends_in_one_line(tmp_path):
     assert session_processes(proc.pid) == []
 
 
+def test_ctrl_c_while_the_checkpoint_is_read_ends_in_one_line(tmp_path):
+    """Ctrl-C earlier still, while the run's checkpoint is read (a FIFO here, which holds the run there until this
+    test writes the checkpoint into it): the same one line and exit status once the start-up ends, no traceback, and
+    the run's records as they were."""
+    flags = [*CARTPOLE, "--num-actor-threads", 1, "--run-name", "early", "--total-timesteps", 4 * 32 * 10]
+    proc, output = run_with_fault(tmp_path, "sigterm@1", *flags, algo="ppo")
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    checkpoint = tmp_path / "runs" / "early" / "checkpoint.msgpack"
+    contents = checkpoint.read_bytes()
+    checkpoint.unlink()
+    os.mkfifo(checkpoint)
+    proc = start(tmp_path, *flags)
+    deadline = time.time() + 120
+    while True:  # a FIFO opens for writing once a reader has it open: then the run is reading the checkpoint
+        try:
+            fifo = os.open(checkpoint, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate(timeout=30)[0]
+            time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    os.set_blocking(fifo, True)
+    try:
+        os.write(fifo, contents)
+    except BrokenPipeError:  # the run died of the signal: its output says how
+        pass
+    os.close(fifo)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert output.strip().splitlines()[-1] == "stopped by SIGINT during start-up, before update 2: nothing new to save"
+    assert "Traceback" not in output, output
+    assert updates_logged(tmp_path / "runs" / "early") == [1]
+    assert session_processes(proc.pid) == []
+
+
 def test_interrupted_checkpoint_writes_are_never_read(tmp_path):
     """Signals and kills land at arbitrary moments of a run that checkpoints after every update, then the
     process dies between writing a checkpoint and renaming it into place (CLEANBA_FAULT=checkpoint@K);
