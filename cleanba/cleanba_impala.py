@@ -898,6 +898,7 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
     if args.distributed:
         # The others give up on a dead process after the heartbeat timeout; at the end, they wait for process 0.
         timeouts = dict(heartbeat_timeout_seconds=args.heartbeat_timeout, shutdown_timeout_seconds=3600)
+        jax.config.update("jax_enable_preemption_service", False)  # its SIGTERM handler would replace StopSignals'
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, **timeouts)
     cfg = derive_config(args)
     config = algorithm_config(args, cfg)
@@ -1274,8 +1275,7 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
     for name, trace in actors.failures:
         print(f"error in thread {name}:\n{trace}", file=sys.stderr)
     preempted = not failed and update < cfg.num_updates
-    # The shell's convention for a process a signal stopped (SIGTERM when another process was).
-    signum = signals.received[0] if signals.received else signal.SIGTERM
+    signum = signals.received[0] if signals.received else signal.SIGTERM  # 128 + it; another process's stop: SIGTERM
     if preempted and cfg.rank == 0:
         by = signal.Signals(signum).name if signals.received else "another process"
         resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
