@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import functools
 import os
+import signal
 import threading
 
 import flax.linen as nn
@@ -222,13 +223,18 @@ def test_bad_input_is_refused(algo, tmp_path, monkeypatch, capsys):
     test_bad_input_as_a_user_sees_it runs one case as a user does."""
     script = load_script(algo)
     monkeypatch.chdir(tmp_path)
-    for flags, flag in BAD_INPUT + ALGO_BAD_INPUT[algo]:
-        flags = ["--env-id", "CartPole-v1", "--compilation-cache-dir", "None", *map(str, flags)]
-        with pytest.raises(script.ConfigError) as refused:
-            script.main(tyro.cli(script.Args, args=flags))
-        captured = capsys.readouterr()
-        assert str(refused.value).startswith(f"{flag} ") and "\n" not in str(refused.value), (flags, refused.value)
-        assert captured.out == captured.err == "" and os.listdir(tmp_path) == [], flags
+    handlers = [(signum, signal.getsignal(signum)) for signum in (signal.SIGTERM, signal.SIGINT)]
+    try:
+        for flags, flag in BAD_INPUT + ALGO_BAD_INPUT[algo]:
+            flags = ["--env-id", "CartPole-v1", "--compilation-cache-dir", "None", *map(str, flags)]
+            with pytest.raises(script.ConfigError) as refused:
+                script.main(tyro.cli(script.Args, args=flags))
+            captured = capsys.readouterr()
+            assert str(refused.value).startswith(f"{flag} ") and "\n" not in str(refused.value), (flags, refused)
+            assert captured.out == captured.err == "" and os.listdir(tmp_path) == [], flags
+    finally:
+        for signum, handler in handlers:  # main() made its stop signals this process's: they are pytest's again
+            signal.signal(signum, handler)
 
 
 def test_bad_input_as_a_user_sees_it(algo, tmp_path):
