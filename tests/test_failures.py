@@ -5,6 +5,7 @@ are tested with the learning run (test_training.py).
 Faults are injected by tests/with_fault.py (CLEANBA_FAULT=<actor|learner|nan|sigterm|checkpoint>@<update>).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -197,22 +198,24 @@ def test_ctrl_c_while_the_checkpoint_is_read_ends_in_one_line(tmp_path):
     checkpoint.unlink()
     os.mkfifo(checkpoint)
     proc = start(tmp_path, *flags)
-    deadline = time.time() + 120
-    while True:  # a FIFO opens for writing once a reader has it open: then the run is reading the checkpoint
-        try:
-            fifo = os.open(checkpoint, os.O_WRONLY | os.O_NONBLOCK)
-            break
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, proc.communicate(timeout=30)[0]
-            time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
-    os.set_blocking(fifo, True)
     try:
-        os.write(fifo, contents)
-    except BrokenPipeError:  # the run died of the signal: its output says how
-        pass
-    os.close(fifo)
-    output = proc.communicate(timeout=60)[0]
+        deadline = time.time() + 120
+        while True:  # a FIFO opens for writing once a reader has it open: then the run is reading the checkpoint
+            try:
+                fifo = os.open(checkpoint, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.communicate(timeout=30)[0]
+                time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        os.set_blocking(fifo, True)
+        with contextlib.suppress(BrokenPipeError), os.fdopen(fifo, "wb") as writer:  # broken: the signal killed it
+            writer.write(contents)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:  # a failure above: nothing is left running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert proc.returncode == 128 + signal.SIGINT, output
     assert output.strip().splitlines()[-1] == "stopped by SIGINT during start-up, before update 2: nothing new to save"
     assert "Traceback" not in output, output
