@@ -831,7 +831,7 @@ def check_args(args: Args):
     networks = make_networks(args, spec)
     if args.capture_video:  # cleanba/record.py knows what it can render here
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
-        if check.returncode > 0:  # (< 0: a stop signal to the run reached it too: the run stops, refused or not)
+        if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops
             raise ConfigError(f"--capture-video: {check.stderr.strip()}")
     args.norm_obs = networks.continuous if args.norm_obs is None else args.norm_obs
     args.norm_reward = networks.continuous if args.norm_reward is None else args.norm_reward

@@ -749,7 +749,7 @@ def check_args(args: Args):
         raise ConfigError(f"--view-size {args.view_size}: the view around the agent is 3, 5 or 7 cells a side")
     if args.capture_video:  # cleanba/record.py knows what it can render here
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
-        if check.returncode > 0:  # (< 0: a stop signal to the run reached it too: the run stops, refused or not)
+        if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops
             raise ConfigError(f"--capture-video: {check.stderr.strip()}")
 
 
