@@ -771,7 +771,7 @@ RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")
 def check_args(args: Args):
     """Checks that need no devices (run before jax.distributed starts); settles the automatic settings."""
     positive = "total_timesteps local_num_envs num_steps num_minibatches update_epochs num_actor_threads log_frequency"
-    positive += " env_pools keep_checkpoints heartbeat_timeout learning_rate checkpoint_minutes max_grad_norm"
+    positive += " env_pools keep_checkpoints heartbeat_timeout learning_rate checkpoint_minutes max_grad_norm clip_coef"
     for name in positive.split():
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -781,6 +781,11 @@ def check_args(args: Args):
     for name in ["actor_device_ids", "learner_device_ids"]:
         if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    if not 0 <= args.seed < 2**32:  # JAX's keys hold 32 bits of it: 2**32 would be seed 0's run again
+        raise ConfigError(f"--seed {args.seed} must lie in [0, 2**32)")
+    if args.num_processes is not None and not (args.distributed and 0 <= (args.process_id or 0) < args.num_processes):
+        need = f"--distributed and a --process-id from 0 to {args.num_processes - 1} (got {args.process_id})"
+        raise ConfigError(f"--num-processes {args.num_processes} starts one of a run's processes: it needs {need}")
     for flag, name in [("--run-name", args.run_name), ("--exp-name", args.exp_name)]:  # a directory, the model's file
         if name is not None and (not name or "/" in name or name.startswith(".")):
             raise ConfigError(f"{flag} {name!r} must be a plain name: not empty, no '/', no leading '.'")
@@ -811,15 +816,11 @@ def check_args(args: Args):
         if not (rank == 1 or discrete or frames or grid):
             what = "vectors, uint8 frames (channels first) and dicts of vectors, discrete values and uint8 grids"
             raise ConfigError(f"--env-id {args.env_id}: the networks encode {what}, not {part}")
-    if args.mask_obs and len(space.shape or ()) != 1:
-        raise ConfigError(f"--mask-obs hides components of a vector observation, not of {space}")
-    if args.mask_obs and not all(0 <= i < space.shape[0] for i in args.mask_obs):
-        raise ConfigError(f"--mask-obs {args.mask_obs}: the observation's components are 0 to {space.shape[0] - 1}")
+    if args.mask_obs and (len(space.shape or ()) != 1 or not all(0 <= i < space.shape[0] for i in args.mask_obs)):
+        raise ConfigError(f"--mask-obs {args.mask_obs}: components 0 to n - 1 of a vector observation; here {space}")
     grids = [part.shape for part in parts.values() if len(part.shape or ()) == 3 and part is not space]
-    if args.view_size and grids != [(7, 7, 3)]:
-        raise ConfigError(f"--view-size crops MiniGrid's 7x7 view of cells; --env-id {args.env_id} has none")
-    if args.view_size and args.view_size not in (3, 5, 7):
-        raise ConfigError(f"--view-size {args.view_size}: the view around the agent is 3, 5 or 7 cells a side")
+    if args.view_size and (grids != [(7, 7, 3)] or args.view_size not in (3, 5, 7)):
+        raise ConfigError(f"--view-size {args.view_size}: MiniGrid's 7x7 view cropped to 3, 5 or 7 cells a side")
     if getattr(spec.config, "max_num_players", 1) > 1:
         raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
     actions = spec.action_space
@@ -836,8 +837,7 @@ def check_args(args: Args):
     args.norm_obs = networks.continuous if args.norm_obs is None else args.norm_obs
     args.norm_reward = networks.continuous if args.norm_reward is None else args.norm_reward
     if args.norm_obs and hasattr(spec.observation_space, "spaces"):
-        default = "on by default with continuous actions: --norm-obs False turns it off"
-        raise ConfigError(f"--norm-obs normalises a vector observation, not a dict of them ({default})")
+        raise ConfigError("--norm-obs normalises vectors, not dicts (continuous actions turn it on: --norm-obs False)")
 
 
 def derive_config(args: Args) -> Config:

@@ -703,6 +703,11 @@ def check_args(args: Args):
     for name in ["actor_device_ids", "learner_device_ids"]:
         if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    if not 0 <= args.seed < 2**32:  # JAX's keys hold 32 bits of it: 2**32 would be seed 0's run again
+        raise ConfigError(f"--seed {args.seed} must lie in [0, 2**32)")
+    if args.num_processes is not None and not (args.distributed and 0 <= (args.process_id or 0) < args.num_processes):
+        need = f"--distributed and a --process-id from 0 to {args.num_processes - 1} (got {args.process_id})"
+        raise ConfigError(f"--num-processes {args.num_processes} starts one of a run's processes: it needs {need}")
     for flag, name in [("--run-name", args.run_name), ("--exp-name", args.exp_name)]:  # a directory, the model's file
         if name is not None and (not name or "/" in name or name.startswith(".")):
             raise ConfigError(f"{flag} {name!r} must be a plain name: not empty, no '/', no leading '.'")
@@ -738,15 +743,11 @@ def check_args(args: Args):
         raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
     if getattr(spec.config, "max_num_players", 1) > 1:
         raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
-    if args.mask_obs and len(space.shape or ()) != 1:
-        raise ConfigError(f"--mask-obs hides components of a vector observation, not of {space}")
-    if args.mask_obs and not all(0 <= i < space.shape[0] for i in args.mask_obs):
-        raise ConfigError(f"--mask-obs {args.mask_obs}: the observation's components are 0 to {space.shape[0] - 1}")
+    if args.mask_obs and (len(space.shape or ()) != 1 or not all(0 <= i < space.shape[0] for i in args.mask_obs)):
+        raise ConfigError(f"--mask-obs {args.mask_obs}: components 0 to n - 1 of a vector observation; here {space}")
     grids = [part.shape for part in parts.values() if len(part.shape or ()) == 3 and part is not space]
-    if args.view_size and grids != [(7, 7, 3)]:
-        raise ConfigError(f"--view-size crops MiniGrid's 7x7 view of cells; --env-id {args.env_id} has none")
-    if args.view_size and args.view_size not in (3, 5, 7):
-        raise ConfigError(f"--view-size {args.view_size}: the view around the agent is 3, 5 or 7 cells a side")
+    if args.view_size and (grids != [(7, 7, 3)] or args.view_size not in (3, 5, 7)):
+        raise ConfigError(f"--view-size {args.view_size}: MiniGrid's 7x7 view cropped to 3, 5 or 7 cells a side")
     if args.capture_video:  # cleanba/record.py knows what it can render here
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
         if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops

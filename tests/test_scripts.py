@@ -190,6 +190,10 @@ BAD_INPUT = [
     (["--layout-free-group-size", 3], "--layout-free-group-size"),  # 64 envs per thread: not whole pairs of groups
     (["--layout-free-group-size", -1], "--layout-free-group-size"),
     (["--env-id", "MiniGrid-Empty-5x5-v0", "--mask-obs", 1], "--mask-obs"),  # a dict, not a vector
+    (["--seed", -1], "--seed"),
+    (["--seed", 2**32], "--seed"),  # JAX's keys would take seed 0's
+    (["--num-processes", 2, "--process-id", 1], "--num-processes"),  # without --distributed: two runs in one directory
+    (["--distributed", "--num-processes", 2, "--process-id", 2], "--num-processes"),  # ranks are 0 and 1
 ]
 NORM_OBS_ON_A_DICT = (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs")
 # Continuous actions normalise observations by default: a dict of them (DMC's) needs --norm-obs False.
@@ -201,9 +205,11 @@ ALGO_BAD_INPUT = {
         NORM_OBS_ON_A_DICT,
         NORM_OBS_BY_DEFAULT_ON_A_DICT,
         (["--critic-core"], "--critic-core"),  # without --lstm-size
+        (["--clip-coef", -0.1], "--clip-coef"),
     ],
     "impala": [
         (["--local-num-envs", 6, "--num-actor-threads", 1, "--num-minibatches", 4], "--num-minibatches"),
+        (["--rmsprop-eps", 0], "--rmsprop-eps"),
         NORM_OBS_ON_A_DICT,
         NORM_OBS_BY_DEFAULT_ON_A_DICT,
     ],
