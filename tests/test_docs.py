@@ -7,6 +7,7 @@ with `mkdocs build --strict` by .ci/run, which fails on a broken link, anchor or
 import importlib.util
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -89,3 +90,11 @@ def test_every_page_is_in_the_navigation_and_every_included_file_exists():
                 with open(os.path.join(directory, name)) as page:
                     for included in re.findall(r'--8<-- "([^":]+)', page.read()):
                         assert os.path.exists(os.path.join(REPO, included)), f"docs/{path} includes {included}"
+
+
+def test_the_split_update_patch_applies_to_the_code_as_it_is():
+    """The Performance page has a GPU session run `git apply docs/notes/split-update.patch`, then gpu-check's
+    impala-split. After a change near its lines: `git apply --3way` it, settle the conflicts, and save `git diff`."""
+    patch = os.path.join("docs", "notes", "split-update.patch")
+    check = subprocess.run(["git", "apply", "--check", patch], cwd=REPO, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
