@@ -1,10 +1,11 @@
-"""Plays episodes with the model a run saved (--save-model): the policy's actions sampled as the actors sample them
-(PQN's: epsilon-greedy at the run's final --end-e); with --video, records them.
+"""Plays episodes with the model a run saved (--save-model), or without one its newest checkpoint's parameters: the
+policy's actions sampled as the actors sample them (PQN's: epsilon-greedy at the run's final --end-e); with --video,
+records them.
 
     python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1] [--levels unseen] [--video] [--gif]
 
 The run's config.json names its script and arguments: this tool loads the script as a module, rebuilds its
-networks, reads the model (the normalisation statistics included) and plays on an environment whose global index
+networks, reads the parameters (the normalisation statistics included) and plays on an environment whose global index
 no training environment has, with the actors' own rollout program (a Gaussian's sample clipped to the action
 bounds on its way to the environment; a recurrent policy's state carried through each episode). It prints each
 episode's return (unclipped, for Atari) and their mean, and logs them to the run's TensorBoard events as
@@ -20,7 +21,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
-import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -89,22 +90,36 @@ def load_run(run_dir: str, seed: int | None = None, levels: str = "train"):
 
 
 def saved_params(run_dir: str, exp_name: str):
-    with open(os.path.join(run_dir, f"{exp_name}.cleanba_model"), "rb") as f:
-        params = flax.serialization.msgpack_restore(f.read())
-    return on_actor_axis(params)
+    """The parameters of the model --save-model wrote at the run's end; without one, of its newest checkpoint (the
+    run's state after the update it names: a preempted or a running run's too). Neither, or a damaged one: exit 2."""
+    model = os.path.join(run_dir, f"{exp_name}.cleanba_model")
+    if os.path.exists(model):
+        with open(model, "rb") as f:
+            return on_actor_axis(flax.serialization.msgpack_restore(f.read()))
+    path = os.path.join(run_dir, "checkpoint.msgpack")
+    if not os.path.isfile(path):
+        print(f"error: {run_dir} holds no model (--save-model) and no checkpoint to play", file=sys.stderr)
+        sys.exit(2)
+    with open(path, "rb") as f:
+        digest, _, contents = f.read().partition(b"\n")  # the SHA-256 of the rest, then the msgpack
+    if hashlib.sha256(contents).hexdigest().encode() != digest:
+        print(f"error: {path} is cut short or changed (its SHA-256 checksum does not match)", file=sys.stderr)
+        sys.exit(2)
+    checkpoint = flax.serialization.msgpack_restore(contents)
+    print(f"{run_dir} holds no model (--save-model): playing its checkpoint of update {checkpoint['update']}")
+    return on_actor_axis(checkpoint["state"]["params"])
 
 
 def on_actor_axis(params):  # the device axis the actors' rollout takes
     return jax.tree.map(lambda x: np.asarray(x)[None], params)
 
 
-def evaluate(run_dir: str, episodes: int, seed: int | None = None, levels: str = "train") -> list[float]:
+def evaluate(run_dir: str, params, episodes: int, seed: int | None = None, levels: str = "train") -> list[float]:
     script, args, networks = load_run(run_dir, seed, levels)
     if levels == "unseen":
         print(f"unseen levels: {args.start_level} to {args.start_level + args.num_levels - 1}")
     envs = script.make_env(args, 1, EVAL_ENV_INDEX)
     handle, rollout = script.make_rollout(args, networks, [envs], jax.default_backend())
-    params = saved_params(run_dir, args.exp_name)
     states = [script.first_state(envs, handle, np.array([EVAL_ENV_INDEX]), 0, networks)]
     returns = []
     while len(returns) < episodes:  # the returns of the episodes that ended in each rollout, in order
@@ -169,7 +184,7 @@ def write_video(path: str, frames: list[np.ndarray]):
 def parse_args(argv=None):
     """The flags, checked (what needs no run directory); exits 2 on bad input."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a run directory with config.json and the model saved by --save-model")
+    parser.add_argument("run_dir", help="a run directory: config.json, and the model of --save-model or a checkpoint")
     parser.add_argument("--episodes", type=int, default=10, help="episodes to play")
     parser.add_argument("--seed", type=int, default=None, help="another seed than the run's (environments, actions)")
     parser.add_argument(
@@ -197,9 +212,6 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
-    if not glob.glob(os.path.join(args.run_dir, "*.cleanba_model")):
-        print(f"error: {args.run_dir} holds no model (train with --save-model)", file=sys.stderr)
-        sys.exit(2)
     if not os.path.isfile(os.path.join(args.run_dir, "config.json")):
         print(f"error: {args.run_dir} holds no config.json: not a run directory of the scripts", file=sys.stderr)
         sys.exit(2)
@@ -209,13 +221,14 @@ def main():
         trained_on = f"{run_args['env_id']} with --num-levels {run_args.get('num_levels', 0)}, every level"
         print(f"error: --levels unseen: the run trained on {trained_on}: none is unseen", file=sys.stderr)
         sys.exit(2)
+    if args.video and (refusal := render_refusal(run_args["env_id"])):
+        print(f"error: --video: {refusal}", file=sys.stderr)
+        sys.exit(2)
+    params = saved_params(args.run_dir, run_args["exp_name"])
     if args.video:
-        if refusal := render_refusal(run_args["env_id"]):
-            print(f"error: --video: {refusal}", file=sys.stderr)
-            sys.exit(2)
-        returns = record(args.run_dir, args.episodes, args.seed, "gif" if args.gif else "mp4", args.max_steps)
+        returns = record(args.run_dir, params, args.episodes, args.seed, "gif" if args.gif else "mp4", args.max_steps)
     else:
-        returns = evaluate(args.run_dir, args.episodes, args.seed, args.levels)
+        returns = evaluate(args.run_dir, params, args.episodes, args.seed, args.levels)
     tag = "eval/unseen_levels_episodic_return" if args.levels == "unseen" else "eval/episodic_return"
     levels = " on unseen levels" if args.levels == "unseen" else ""
     with SummaryWriter(args.run_dir) as writer:
@@ -229,11 +242,10 @@ def main():
         print(f"mean return over {len(finished)} episodes{levels}: {mean}")
 
 
-def record(run_dir: str, episodes: int, seed: int | None, extension: str, max_steps: int | None) -> list[float]:
-    """Plays `episodes` episodes with the saved model and writes each to run_dir/videos/; returns their returns (NaN
+def record(run_dir: str, params, episodes: int, seed: int | None, extension: str, max_steps: int | None) -> list[float]:
+    """Plays `episodes` episodes with the saved parameters, writes each to run_dir/videos/; returns their returns (NaN
     for an episode cut at max_steps)."""
     recorder = Recorder(run_dir, seed, max_frames=max_steps and max_steps + 1)
-    params = saved_params(run_dir, recorder.args.exp_name)
     returns = []
     for episode in range(episodes):
         frames, episode_return = recorder.episode(params)

@@ -5,6 +5,7 @@ read the runs that conftest.py makes once per session."""
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,17 +125,36 @@ def evaluate(run_dir, episodes: int) -> list[float]:
     return returns
 
 
-def test_save_model_round_trip(sync_run, algo):
-    """--save-model writes the parameters; cleanba/evaluate.py plays episodes with them (and refuses a run without)."""
+def test_save_model_round_trip(sync_run, algo, tmp_path):
+    """--save-model writes the parameters; cleanba/evaluate.py plays episodes with them. Without them it plays the
+    run's newest checkpoint (a finished run's: the same episodes); with neither, or a damaged checkpoint, it refuses."""
     with open(os.path.join(sync_run.path, f"cleanba_{algo}.cleanba_model"), "rb") as f:
         params = flax.serialization.msgpack_restore(f.read())
     assert set(params) == ({"torso", "q_head"} if algo == "pqn" else {"torso", "actor", "critic"})
     kernel = params["q_head"]["params"]["kernel"] if algo == "pqn" else params["actor"]["params"]["Dense_0"]["kernel"]
     assert kernel.shape == (128 if algo == "pqn" else 64, 2) and np.all(np.isfinite(kernel))
     assert sync_run.config["args"]["env_id"] == "CartPole-v1" and sync_run.config["script"] == f"cleanba_{algo}.py"
-    assert all(1 <= r <= 500 for r in evaluate(sync_run.path, 3))
-    refused = run_evaluate(os.path.dirname(sync_run.path))
-    assert refused.returncode == 2 and "holds no model" in refused.stderr
+    returns = evaluate(sync_run.path, 3)
+    assert all(1 <= r <= 500 for r in returns)
+    unsaved = tmp_path / "run-without-its-model"  # its events left out too: evaluate() reads the new ones
+    shutil.copytree(sync_run.path, unsaved, ignore=shutil.ignore_patterns("*.cleanba_model", "events.*"))
+    assert evaluate(str(unsaved), 3) == returns
+    with open(unsaved / "checkpoint.msgpack", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert "checkpoint.msgpack is cut short or changed" in refusal(unsaved)
+    os.remove(unsaved / "checkpoint.msgpack")
+    assert "holds no model (--save-model) and no checkpoint to play" in refusal(unsaved)
+    assert "holds no config.json" in refusal(os.path.dirname(sync_run.path))
+
+
+def refusal(run_dir) -> str:
+    """cleanba/evaluate.py's one line when it refuses a run directory (exit status 2)."""
+    refused = run_evaluate(str(run_dir))
+    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused
+    return refused.stderr
 
 
 def test_track_mirrors_the_logs_to_wandb_offline(cleanba_run):

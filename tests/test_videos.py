@@ -21,7 +21,7 @@ RECORD = os.path.join(REPO, "cleanba", "record.py")  # --capture-video's recorde
 @pytest.mark.parametrize("algo", ["ppo"], indirect=True)
 def test_evaluate_records_playable_videos(sync_run, tmp_path):
     """One MP4 per episode, its return in its name, with the episode's length + 1 frames (the reset's, then one
-    after each step), frames that change, at CartPole's render size; --video on a run without a model is refused."""
+    after each step), frames that change, at CartPole's render size; --video with nothing to play is refused."""
     run_dir = tmp_path / "sync"
     shutil.copytree(sync_run.path, run_dir)
     result = run_evaluate(str(run_dir), "--episodes", "2", "--video")
@@ -40,9 +40,12 @@ def test_evaluate_records_playable_videos(sync_run, tmp_path):
             previous = frame
         assert count == episode_return + 1, (path, count)
         assert changed >= 0.9 * (count - 1), (path, changed, count)
-    refused = run_evaluate(str(tmp_path), "--video")
+    config_only = tmp_path / "config-only"  # a run directory with neither a model nor a checkpoint
+    config_only.mkdir()
+    shutil.copy(os.path.join(sync_run.path, "config.json"), config_only)
+    refused = run_evaluate(str(config_only), "--video")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        f"error: {tmp_path} holds no model (train with --save-model)"
+        f"error: {config_only} holds no model (--save-model) and no checkpoint to play"
     ]
     model_only = tmp_path / "model-only"  # a model copied without the rest of its run directory
     model_only.mkdir()
