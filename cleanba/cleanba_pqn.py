@@ -705,9 +705,10 @@ def check_args(args: Args):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
     if not 0 <= args.seed < 2**32:  # JAX's keys hold 32 bits of it: 2**32 would be seed 0's run again
         raise ConfigError(f"--seed {args.seed} must lie in [0, 2**32)")
-    if args.num_processes is not None and not (args.distributed and 0 <= (args.process_id or 0) < args.num_processes):
-        need = f"--distributed and a --process-id from 0 to {args.num_processes - 1} (got {args.process_id})"
-        raise ConfigError(f"--num-processes {args.num_processes} starts one of a run's processes: it needs {need}")
+    if not args.distributed and (args.num_processes is not None or args.process_id is not None):
+        raise ConfigError("--num-processes and --process-id start a --distributed run's processes: add --distributed")
+    if args.num_processes is not None and not 0 <= (args.process_id or 0) < args.num_processes:
+        raise ConfigError(f"--process-id {args.process_id} must lie in [0, --num-processes {args.num_processes})")
     for flag, name in [("--run-name", args.run_name), ("--exp-name", args.exp_name)]:  # a directory, the model's file
         if name is not None and (not name or "/" in name or name.startswith(".")):
             raise ConfigError(f"{flag} {name!r} must be a plain name: not empty, no '/', no leading '.'")
@@ -727,8 +728,7 @@ def check_args(args: Args):
     try:  # EnvPool imports a family's module when it makes its first spec (Procgen needs the Qt 5 runtime)
         spec = envpool.make_spec(args.env_id, **env_options(args))
     except (ImportError, RuntimeError) as error:
-        reason = str(error).splitlines()[0]
-        raise ConfigError(f"--env-id {args.env_id}: EnvPool cannot make it here: {reason}") from None
+        raise ConfigError(f"--env-id {args.env_id}: EnvPool cannot make it: {str(error).splitlines()[0]}") from None
     space = spec.observation_space  # what the Q-network can encode and act on, and the flags that apply to it
     parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
     for part in parts.values():
@@ -747,7 +747,7 @@ def check_args(args: Args):
         raise ConfigError(f"--mask-obs {args.mask_obs}: components 0 to n - 1 of a vector observation; here {space}")
     grids = [part.shape for part in parts.values() if len(part.shape or ()) == 3 and part is not space]
     if args.view_size and (grids != [(7, 7, 3)] or args.view_size not in (3, 5, 7)):
-        raise ConfigError(f"--view-size {args.view_size}: MiniGrid's 7x7 view cropped to 3, 5 or 7 cells a side")
+        raise ConfigError(f"--view-size {args.view_size} with --env-id {args.env_id}: MiniGrid only, 3, 5 or 7 cells")
     if args.capture_video:  # cleanba/record.py knows what it can render here
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
         if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops

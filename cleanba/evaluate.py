@@ -1,6 +1,6 @@
-"""Plays episodes with the model a run saved (--save-model), or without one its newest checkpoint's parameters: the
-policy's actions sampled as the actors sample them (PQN's: epsilon-greedy at the run's final --end-e); with --video,
-records them.
+"""Plays episodes with the model a run saved (--save-model), or without one (or with a newer checkpoint) its newest
+intact checkpoint's parameters: the policy's actions sampled as the actors sample them (PQN's: epsilon-greedy at the
+run's final --end-e); with --video, records them.
 
     python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1] [--levels unseen] [--video] [--gif]
 
@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import warnings
 
@@ -89,25 +90,35 @@ def load_run(run_dir: str, seed: int | None = None, levels: str = "train"):
     return script, args, networks
 
 
+def checkpoints_newest_first(run_dir: str) -> list[str]:
+    """The run's checkpoints: checkpoint.msgpack, then the older copies checkpoint.N.msgpack (--keep-checkpoints)."""
+    ages = {}
+    for name in os.listdir(run_dir):
+        if match := re.fullmatch(r"checkpoint(\.(\d+))?\.msgpack", name):
+            ages[name] = int(match.group(2) or 0)
+    return [os.path.join(run_dir, name) for name in sorted(ages, key=ages.get)]
+
+
 def saved_params(run_dir: str, exp_name: str):
-    """The parameters of the model --save-model wrote at the run's end; without one, of its newest checkpoint (the
-    run's state after the update it names: a preempted or a running run's too). Neither, or a damaged one: exit 2."""
+    """The parameters of the model --save-model wrote at the run's end; else, or if a checkpoint is newer (a run
+    started over with --no-resume keeps its old model until it saves one), of the newest intact checkpoint, as a
+    resume would read them. Nothing to play: exit 2."""
     model = os.path.join(run_dir, f"{exp_name}.cleanba_model")
-    if os.path.exists(model):
+    checkpoints = checkpoints_newest_first(run_dir)
+    if os.path.exists(model) and not (checkpoints and os.path.getmtime(checkpoints[0]) > os.path.getmtime(model)):
         with open(model, "rb") as f:
             return on_actor_axis(flax.serialization.msgpack_restore(f.read()))
-    path = os.path.join(run_dir, "checkpoint.msgpack")
-    if not os.path.isfile(path):
-        print(f"error: {run_dir} holds no model (--save-model) and no checkpoint to play", file=sys.stderr)
-        sys.exit(2)
-    with open(path, "rb") as f:
-        digest, _, contents = f.read().partition(b"\n")  # the SHA-256 of the rest, then the msgpack
-    if hashlib.sha256(contents).hexdigest().encode() != digest:
-        print(f"error: {path} is cut short or changed (its SHA-256 checksum does not match)", file=sys.stderr)
-        sys.exit(2)
-    checkpoint = flax.serialization.msgpack_restore(contents)
-    print(f"{run_dir} holds no model (--save-model): playing its checkpoint of update {checkpoint['update']}")
-    return on_actor_axis(checkpoint["state"]["params"])
+    for path in checkpoints:
+        with open(path, "rb") as f:
+            digest, _, contents = f.read().partition(b"\n")  # the SHA-256 of the rest, then the msgpack
+        if hashlib.sha256(contents).hexdigest().encode() != digest:
+            print(f"{path} is cut short or changed (its SHA-256 checksum does not match): passed over")
+            continue
+        checkpoint = flax.serialization.msgpack_restore(contents)
+        print(f"playing {path}, the parameters after update {checkpoint['update']} (no newer model of --save-model)")
+        return on_actor_axis(checkpoint["state"]["params"])
+    print(f"error: {run_dir} holds no model (--save-model) and no intact checkpoint to play", file=sys.stderr)
+    sys.exit(2)
 
 
 def on_actor_axis(params):  # the device axis the actors' rollout takes

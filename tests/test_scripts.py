@@ -193,7 +193,8 @@ BAD_INPUT = [
     (["--seed", -1], "--seed"),
     (["--seed", 2**32], "--seed"),  # JAX's keys would take seed 0's
     (["--num-processes", 2, "--process-id", 1], "--num-processes"),  # without --distributed: two runs in one directory
-    (["--distributed", "--num-processes", 2, "--process-id", 2], "--num-processes"),  # ranks are 0 and 1
+    (["--process-id", 1], "--num-processes"),  # the same
+    (["--distributed", "--num-processes", 2, "--process-id", 2], "--process-id"),  # ranks are 0 and 1
 ]
 NORM_OBS_ON_A_DICT = (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs")
 # Continuous actions normalise observations by default: a dict of them (DMC's) needs --norm-obs False.

@@ -5,6 +5,7 @@ read the runs that conftest.py makes once per session."""
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,14 +121,18 @@ def evaluate(run_dir, episodes: int) -> list[float]:
     """The returns cleanba/evaluate.py printed for a run with a saved model (and logged to its events)."""
     result = run_evaluate(run_dir, "--episodes", str(episodes))
     assert result.returncode == 0, result.stderr[-3000:]
-    returns = [float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("eval episode")]
+    returns = printed_returns(result.stdout)
     assert len(returns) == episodes and values(read_scalars(run_dir), "eval/episodic_return") == returns
     return returns
 
 
+def printed_returns(output: str) -> list[float]:
+    return [float(line.split()[-1]) for line in output.splitlines() if line.startswith("eval episode")]
+
+
 def test_save_model_round_trip(sync_run, algo, tmp_path):
-    """--save-model writes the parameters; cleanba/evaluate.py plays episodes with them. Without them it plays the
-    run's newest checkpoint (a finished run's: the same episodes); with neither, or a damaged checkpoint, it refuses."""
+    """--save-model writes the parameters; cleanba/evaluate.py plays episodes with them. Without them, or with a newer
+    checkpoint, it plays the newest intact checkpoint (a finished run's: the same episodes); with neither: refused."""
     with open(os.path.join(sync_run.path, f"cleanba_{algo}.cleanba_model"), "rb") as f:
         params = flax.serialization.msgpack_restore(f.read())
     assert set(params) == ({"torso", "q_head"} if algo == "pqn" else {"torso", "actor", "critic"})
@@ -136,18 +141,26 @@ def test_save_model_round_trip(sync_run, algo, tmp_path):
     assert sync_run.config["args"]["env_id"] == "CartPole-v1" and sync_run.config["script"] == f"cleanba_{algo}.py"
     returns = evaluate(sync_run.path, 3)
     assert all(1 <= r <= 500 for r in returns)
-    unsaved = tmp_path / "run-without-its-model"  # its events left out too: evaluate() reads the new ones
-    shutil.copytree(sync_run.path, unsaved, ignore=shutil.ignore_patterns("*.cleanba_model", "events.*"))
-    assert evaluate(str(unsaved), 3) == returns
-    with open(unsaved / "checkpoint.msgpack", "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 1]))
-    assert "checkpoint.msgpack is cut short or changed" in refusal(unsaved)
-    os.remove(unsaved / "checkpoint.msgpack")
-    assert "holds no model (--save-model) and no checkpoint to play" in refusal(unsaved)
+    copy = tmp_path / "run"
+    shutil.copytree(sync_run.path, copy)
+    model = copy / f"cleanba_{algo}.cleanba_model"
+    os.utime(model, (0, 0))  # older than the checkpoint: a run started over (--no-resume) before it saves its model
+    assert played_checkpoint(copy) == ("checkpoint.msgpack", returns)
+    os.remove(model)
+    shutil.copyfile(copy / "checkpoint.msgpack", copy / "checkpoint.1.msgpack")  # an older copy (the same here)
+    os.truncate(copy / "checkpoint.msgpack", os.path.getsize(copy / "checkpoint.msgpack") // 2)
+    assert played_checkpoint(copy) == ("checkpoint.1.msgpack", returns)  # as a resume, past the damaged one
+    os.truncate(copy / "checkpoint.1.msgpack", 0)
+    assert "holds no model (--save-model) and no intact checkpoint to play" in refusal(copy)
     assert "holds no config.json" in refusal(os.path.dirname(sync_run.path))
+
+
+def played_checkpoint(run_dir) -> tuple[str, list[float]]:
+    """(The checkpoint cleanba/evaluate.py said it played, the returns of 3 episodes)."""
+    result = run_evaluate(str(run_dir), "--episodes", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    [name] = re.findall(rf"^playing {re.escape(str(run_dir))}/(\S+), the parameters after update", result.stdout, re.M)
+    return name, printed_returns(result.stdout)
 
 
 def refusal(run_dir) -> str:

@@ -45,7 +45,7 @@ def test_evaluate_records_playable_videos(sync_run, tmp_path):
     shutil.copy(os.path.join(sync_run.path, "config.json"), config_only)
     refused = run_evaluate(str(config_only), "--video")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        f"error: {config_only} holds no model (--save-model) and no checkpoint to play"
+        f"error: {config_only} holds no model (--save-model) and no intact checkpoint to play"
     ]
     model_only = tmp_path / "model-only"  # a model copied without the rest of its run directory
     model_only.mkdir()
