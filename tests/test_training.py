@@ -118,9 +118,10 @@ def run_evaluate(run_dir, *flags) -> subprocess.CompletedProcess:
 
 
 def evaluate(run_dir, episodes: int) -> list[float]:
-    """The returns cleanba/evaluate.py printed for a run with a saved model (and logged to its events)."""
+    """The returns cleanba/evaluate.py printed for a run with a saved model (and logged to its events): the model's,
+    not a checkpoint's (it says when it plays one)."""
     result = run_evaluate(run_dir, "--episodes", str(episodes))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0 and not re.search("^playing ", result.stdout, re.M), result.stdout + result.stderr
     returns = printed_returns(result.stdout)
     assert len(returns) == episodes and values(read_scalars(run_dir), "eval/episodic_return") == returns
     return returns
