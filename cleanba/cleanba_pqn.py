@@ -19,6 +19,7 @@ bits from update 2), and the same losses up to float reassociation; bit for bit 
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import gc
 import hashlib
@@ -26,6 +27,7 @@ import importlib
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -584,7 +586,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         return state, jax.tree.map(jnp.mean, losses), episode_sums(batch, G), batch_fingerprint(batch, env_ids)
 
     # The state is not donated: the actors keep using the parameters the learner just replaced.
-    return jax.pmap(update, axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
+    return jax.pmap(checked(update), axis_name="devices", devices=cfg.learner_devices, in_axes=(0, 0, None))
 
 
 def init_train_state(args: Args, cfg: Config, networks: Networks, observation_space) -> tuple[TrainState, object]:
@@ -628,19 +630,23 @@ def collate(rollouts: list[Rollout], devices: int) -> dict:
 
 
 def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
-    """One update: (new state, its record for updates.jsonl). A non-finite loss stops the run before any use of it."""
+    """One update: (new state, its record for updates.jsonl). A non-finite loss or state stops the run before any use
+    of it: nothing non-finite is checkpointed or saved."""
     new_state, *results = update_fn(state, batch, update)
-    losses, episodes, fingerprint = jax.tree.map(lambda x: x.tolist(), to_host(results))
+    losses, episodes, fingerprint, finite = jax.tree.map(lambda x: x.tolist(), to_host(results))
+    last = f"the last good checkpoint is the one after update {last_checkpoint}" if last_checkpoint else "no checkpoint"
     for name, value in sorted(losses.items(), key=lambda item: item[0] != "loss"):  # the total loss first
         if not np.isfinite(value):
-            last = f"the last good checkpoint is the one after update {last_checkpoint}"
             raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
+    if not finite:  # finite losses, and yet a step too large for float32 (a learning rate of 1e39, say)
+        where = non_finite(flax.serialization.to_state_dict(to_host(new_state)))
+        raise FloatingPointError(f"non-finite values after update {update}: {where}; {last}")
     return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
 
 
 def main(args: Args):
     signals = StopSignals()  # SIGTERM (preemption), SIGINT (Ctrl-C): a checkpoint after the update, then exit
-    cfg, run_name, checkpoint = start_up(args)
+    cfg, run_name, checkpoint, lock = start_up(args)
     spec = envpool.make_spec(args.env_id, **env_options(args))
     networks = make_networks(args, spec)
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
@@ -648,7 +654,7 @@ def main(args: Args):
     if start_update == cfg.num_updates:
         print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({RESUME_WAYS_OUT})")
         return
-    run_dir = RunDir(args, cfg, run_name, start_update, schedule)
+    run_dir = RunDir(args, cfg, run_name, start_update, schedule, checkpoint, lock)
     update_fn = make_update(args, cfg, networks)
     actors = Actors(args, cfg, networks, start_update, signals.stop)
 
@@ -683,10 +689,18 @@ def main(args: Args):
 class ConfigError(ValueError):
     """Bad input: reported as one line and exit status 2, before anything is created."""
 
+    status = 2
+
+
+class RunDirInUse(ConfigError):
+    """Another copy of the command owns the run directory: one line, exit status 73 (EX_CANTCREAT), nothing written."""
+
+    status = 73
+
 
 DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
-CHECKPOINT_NOT_WRITTEN = 74  # EX_IOERR (sysexits.h): an input/output error
+WRITE_FAILED = 74  # EX_IOERR (sysexits.h): an input/output error
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")  # --capture-video's recorder
 
 
@@ -703,15 +717,25 @@ def check_args(args: Args):
     for name in ["actor_device_ids", "learner_device_ids"]:
         if not (ids := getattr(args, name)) or min(ids) < 0 or len(set(ids)) != len(ids):
             raise ConfigError(f"--{name.replace('_', '-')} must list distinct non-negative ids, got {ids}")
+    for field in dataclasses.fields(Args):  # an infinite or NaN coefficient trains on nothing but non-finite losses
+        if "algorithm" in field.type.__metadata__ and isinstance(value := getattr(args, field.name), float):
+            if not abs(value) <= np.finfo(np.float32).max:  # (NaN too)
+                raise ConfigError(f"--{field.name.replace('_', '-')} must be a finite float32 number, got {value}")
     if not 0 <= args.seed < 2**32:  # JAX's keys hold 32 bits of it: 2**32 would be seed 0's run again
         raise ConfigError(f"--seed {args.seed} must lie in [0, 2**32)")
     if not args.distributed and (args.num_processes is not None or args.process_id is not None):
         raise ConfigError("--num-processes and --process-id start a --distributed run's processes: add --distributed")
     if args.num_processes is not None and not 0 <= (args.process_id or 0) < args.num_processes:
         raise ConfigError(f"--process-id {args.process_id} must lie in [0, --num-processes {args.num_processes})")
+    if args.coordinator_address is not None:  # JAX takes host:port (anything else: a traceback from inside it)
+        host, _, port = args.coordinator_address.rpartition(":")
+        if not host or re.search(r"\s", host) or not port.isdigit() or not 0 < int(port) < 2**16:
+            raise ConfigError(f"--coordinator-address {args.coordinator_address!r} must be host:port (port 1 to 65535)")
     for flag, name in [("--run-name", args.run_name), ("--exp-name", args.exp_name)]:  # a directory, the model's file
-        if name is not None and (not name or "/" in name or name.startswith(".")):
-            raise ConfigError(f"{flag} {name!r} must be a plain name: not empty, no '/', no leading '.'")
+        if name is not None and not (0 < len(name.encode()) <= 100 and name.isprintable() and "/" not in name):
+            raise ConfigError(f"{flag} {name!r} must be a plain name: 1 to 100 printable bytes, no '/'")
+        if name is not None and name.startswith("."):
+            raise ConfigError(f"{flag} {name!r} must not start with '.'")
     for name in ["gamma", "q_lambda", "start_e", "end_e", "exploration_fraction"]:
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")
@@ -788,6 +812,11 @@ def derive_config(args: Args) -> Config:
     actors = [local_devices[i] for i in args.actor_device_ids]
     local_learners = [local_devices[i] for i in args.learner_device_ids]
     num_updates = args.total_timesteps // batch_size
+    # JAX counts these in 32 bits: the optimiser's gradient steps, and each environment's steps (its actions' keys)
+    if max(num_updates * args.update_epochs * args.num_minibatches, num_updates * args.num_steps) >= 2**31:
+        raise ConfigError(
+            f"--total-timesteps {args.total_timesteps}: {num_updates:,} updates overflow JAX's 32-bit step counts"
+        )
     offset = jax.process_index() * envs_per_process
     rank = jax.process_index()
     return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
@@ -820,15 +849,51 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
     named = {k: v for k, v in config.items() if k not in DEFAULTS or v != DEFAULTS[k]}
     digest = hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:8]
     run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
-    paths = [path for path in checkpoint_paths(f"runs/{run_name}", args.keep_checkpoints) if os.path.exists(path)]
+    lock = own(f"runs/{run_name}", cfg)  # before anything there is read or written
+    paths = saved_checkpoints(f"runs/{run_name}")  # whatever --keep-checkpoints says now
     checkpoint = read_checkpoint(paths, run_name, config) if args.resume and paths else None
     for path in paths if not args.resume and cfg.rank == 0 else []:
         os.remove(path)  # starting over: a later resume must not find the old run
-    return cfg, run_name, checkpoint
+    return cfg, run_name, checkpoint, lock
+
+
+def own(run_dir: str, cfg: Config):
+    """The run directory's lock: process 0, which alone writes there, holds it to its end (the operating system drops
+    it, after a SIGKILL too). A second copy of the command, started while it runs, is refused before it reads a file."""
+    lock = None
+    owned = True
+    if cfg.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        lock = open(f"{run_dir}/lock", "a+")  # (not "w": a refused copy leaves the holder's line as it is)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owned = False
+    if cfg.world_size > 1:  # a copy's processes all stop when its process 0 is refused
+        owned = bool(multihost_utils.broadcast_one_to_all(np.int32(owned)))
+    if not owned:
+        holder = "its process 0 was refused"
+        if lock:
+            lock.seek(0)
+            holder = lock.read().strip() or "starting"
+        ways_out = "wait for it to end or stop it; another --run-name starts another run"
+        raise RunDirInUse(f"{run_dir} is in use by another copy of this command ({holder}): {ways_out}")
+    if lock:
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        lock.flush()
+    return lock
 
 
 def checkpoint_paths(run_dir: str, keep: int) -> list[str]:  # the newest first
     return [f"{run_dir}/checkpoint.msgpack", *[f"{run_dir}/checkpoint.{age}.msgpack" for age in range(1, keep)]]
+
+
+def saved_checkpoints(run_dir: str) -> list[str]:  # every checkpoint there, the newest first, however many are kept
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []  # (another process's, on a disk of its own)
+    ages = [re.fullmatch(r"checkpoint\.(\d+)\.msgpack", name) for name in names]
+    oldest = max([int(age[1]) for age in ages if age], default=0)
+    return [path for path in checkpoint_paths(run_dir, oldest + 1) if os.path.exists(path)]
 
 
 def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
@@ -838,14 +903,17 @@ def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
     for path in paths:
         with open(path, "rb") as f:
             digest, _, contents = f.read().partition(b"\n")  # the SHA-256 of the rest, then the msgpack
-        if hashlib.sha256(contents).hexdigest().encode() == digest:
+        if hashlib.sha256(contents).hexdigest().encode() != digest:
+            unusable.append(f"{path} is cut short or changed (its SHA-256 checksum does not match)")
+            continue
+        checkpoint = flax.serialization.msgpack_restore(contents)
+        if not (where := non_finite(checkpoint["state"])):  # (written before the scripts checked their state)
             break
-        unusable.append(f"{path} is cut short or changed (its SHA-256 checksum does not match)")
+        unusable.append(f"{path} holds non-finite values: {where}")
     else:
         raise ConfigError(f"--run-name {run_name}: {'; '.join(unusable)}; {RESUME_WAYS_OUT}")
     if unusable and jax.process_index() == 0:
         print(f"{'; '.join(unusable)}: renamed *.unusable, resuming from {path}, the newest usable checkpoint")
-    checkpoint = flax.serialization.msgpack_restore(contents)
     saved = json.loads(checkpoint["config"])
     before = {name: saved.get(name, DEFAULTS.get(name)) for name in config}
     changed = [f"{name} ({before[name]!r}, now {value!r})" for name, value in config.items() if before[name] != value]
@@ -853,7 +921,19 @@ def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
     if changed:
         changed = f"a checkpoint of another configuration: {', '.join(changed)}"
         raise ConfigError(f"--run-name {run_name} has {changed}; pass --no-resume to start it over")
-    return {**checkpoint, "passed_over": paths[: len(unusable)]}
+    return {**checkpoint, "path": path, "passed_over": paths[: len(unusable)]}
+
+
+def non_finite(state: dict) -> str:
+    """The parts of a state dict (parameters, optimiser state) that hold NaN or infinite values, with how many: ''
+    if none."""
+    counts = []
+    for name, x in flax.traverse_util.flatten_dict(state, sep="/").items():
+        if bad := np.size(x) - np.count_nonzero(np.isfinite(x)):
+            counts.append(f"{name} ({bad} of {np.size(x)} values)")
+    if len(counts) > 3:
+        counts[3:] = [f"{len(counts) - 3} more"]
+    return ", ".join(counts)
 
 
 def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: str) -> tuple[TrainState, int]:
@@ -907,7 +987,7 @@ class Actors:
         self.networks = networks
         self.start_update = start_update
         self.stop = stop
-        self.failures = []  # (thread name, traceback) of each thread that raised
+        self.failures = []  # what each thread that raised prints: its traceback, or a line for non-finite numbers
         self.threads = []  # (thread, its device, its params queue, its rollout queue)
         for device_index, device in enumerate(cfg.actor_devices):
             for thread_index in range(args.num_actor_threads):
@@ -924,8 +1004,11 @@ class Actors:
             yield
         except StopRequested:
             pass
+        except FloatingPointError as error:  # a non-finite loss or state: the update and what, in one line
+            self.failures.append(f"error: {error}")
+            self.stop.set()
         except BaseException:
-            self.failures.append((threading.current_thread().name, traceback.format_exc()))
+            self.failures.append(f"error in thread {threading.current_thread().name}:\n{traceback.format_exc()}")
             self.stop.set()
 
     def run(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
@@ -988,6 +1071,18 @@ def batch_fingerprint(batch, env_ids):
     return jax.lax.psum(jnp.sum(h, dtype=jnp.uint32), "devices")
 
 
+def checked(update):
+    """The update, and whether the state it returns (parameters, optimiser state) is finite: one reduction more in
+    its program, where the check costs nothing but the flag's copy to the host with the losses."""
+
+    def update_and_check(state, batch, update_index):
+        state, *results = update(state, batch, update_index)
+        leaves = jax.tree.leaves((state.params, state.opt_state))
+        return state, *results, jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+    return update_and_check
+
+
 def replicate(tree, cfg: Config):
     """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
     mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
@@ -1031,14 +1126,15 @@ class RunDir:
     """What process 0 writes to runs/<run_name>/: TensorBoard events (mirrored to W&B by --track), config.json,
     updates.jsonl (per update: version, fingerprint, losses; for compare_runs.py), checkpoints, model; console lines."""
 
-    def __init__(self, args: Args, cfg: Config, run_name: str, start_update: int, schedule):
+    def __init__(self, args: Args, cfg: Config, run_name: str, start_update: int, schedule, checkpoint, lock):
         self.args = args
         self.cfg = cfg
         self.schedule = schedule
         self.path = f"runs/{run_name}"
         self.active = cfg.rank == 0
         self.start_update = start_update
-        self.last_checkpoint = start_update
+        self.last_checkpoint = self.last_logged = start_update
+        self.lock = lock  # held while this object lives: the run's
         self.start_time = self.last_checkpoint_time = time.time()
         self.recent = []  # the records of the updates since the last log line
         self.wandb = None
@@ -1049,6 +1145,7 @@ class RunDir:
             self.report(rank=cfg.rank, hosts=hosts, path=self.path, update=start_update, checkpoint=start_update)
         if not self.active:
             return
+        threading.excepthook = self.stop_on_failed_write  # TensorBoard's writer thread
         if args.track:  # the run's W&B id follows from its name: a resumed run resumes its W&B run
             self.wandb = importlib.import_module("wandb")
             run_id = hashlib.sha1(run_name.encode()).hexdigest()[:16]
@@ -1067,14 +1164,12 @@ class RunDir:
         layout.update(num_updates=cfg.num_updates, actor_devices=[str(d) for d in cfg.actor_devices])
         layout.update(learner_devices=[str(d) for d in cfg.learner_devices])
         config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
-        with open(f"{self.path}/config.json", "w") as f:
+        with writing(f"{self.path}/config.json", start_update), open(f"{self.path}/config.json", "w") as f:
             json.dump(config, f, indent=2)
-        kept = []  # a resumed run keeps the lines of the updates it resumes after
-        if start_update and os.path.exists(f"{self.path}/updates.jsonl"):
-            with open(f"{self.path}/updates.jsonl") as f:
-                kept = [line for line in f if json.loads(line)["update"] <= start_update]
-        self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
-        self.updates.writelines(kept)
+        kept = journal(f"{self.path}/updates.jsonl", start_update)  # read before "w" empties it
+        with writing(f"{self.path}/updates.jsonl", start_update):
+            self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
+            self.updates.writelines(kept)
         if args.capture_video:  # a process of its own records the checkpoints: the training path stays as it is
             command = [sys.executable, RECORDER, self.path, str(os.getpid())]
             on_cpu = dict(os.environ, JAX_PLATFORMS="cpu")  # it steps one env: a GPU's memory stays the learner's
@@ -1085,7 +1180,12 @@ class RunDir:
         print(f"devices: {len(used)} {jax.default_backend()} ({', '.join(sorted({d.device_kind for d in used}))})")
         if start_update:
             resumed = f"after update {start_update} (global step {start_update * cfg.batch_size:,})"
-            print(f"resuming from {self.path}/checkpoint.msgpack {resumed}; environments restart their episodes")
+            print(f"resuming from {checkpoint['path']} {resumed}; environments restart their episodes")
+
+    def stop_on_failed_write(self, failure):  # threading.excepthook: a thread of ours reports its own failures
+        if issubclass(failure.exc_type, OSError):
+            stop_writing(f"{self.path}/events.out.tfevents.*", self.last_logged, failure.exc_value)
+        threading.__excepthook__(failure)
 
     def report(self, **progress):  # --distributed: how far this process got, for cleanba/supervise.py
         if self.args.distributed:
@@ -1098,7 +1198,9 @@ class RunDir:
             return
         step = update * self.cfg.batch_size
         record = dict(update=update, global_step=step, data_version=data_version, **record)
-        self.updates.write(json.dumps(record) + "\n")
+        with writing(f"{self.path}/updates.jsonl", update):
+            self.updates.write(json.dumps(record) + "\n")
+        self.last_logged = update
         self.recent.append(record)
         if update % self.args.log_frequency and update != self.cfg.num_updates:
             return
@@ -1115,8 +1217,9 @@ class RunDir:
         for name in rollouts[0].timings:  # the actor threads' mean
             scalars[f"stats/{name}"] = np.mean([rollout.timings[name] for rollout in rollouts])
         scalars.update({f"stats/{name}": seconds for name, seconds in timings.items()})
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+        with writing(f"{self.path}/events.out.tfevents.*", update):
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
         self.recent = []
         eta = elapsed / (update - self.start_update) * (self.cfg.num_updates - update)
         recent = f"{returns / episodes:.1f} ({int(episodes)} episodes)" if episodes else "n/a"
@@ -1127,7 +1230,8 @@ class RunDir:
 
     def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
         """When due, and when the run stops: written whole and flushed with its checksum, the --keep-checkpoints older
-        copied back a place (checkpoint.msgpack is never missing), then renamed in. A failed write stops the run."""
+        copied back a place (checkpoint.msgpack is never missing), then renamed in, after the logs of the updates it
+        covers are on disk. A failed write stops the run."""
         interval = self.args.checkpoint_interval
         elapsed = time.time() - self.last_checkpoint_time
         due = (interval and update % interval == 0) or elapsed > 60 * self.args.checkpoint_minutes
@@ -1137,12 +1241,15 @@ class RunDir:
         self.last_checkpoint_time = time.time()
         if not self.active:
             return
-        self.writer.flush()  # the points logged up to the checkpoint outlive a kill: a resume does not log them again
+        with writing(f"{self.path}/updates.jsonl", update):  # a resume finds every update up to the checkpoint's
+            self.updates.flush()
+            os.fsync(self.updates.fileno())
+            self.writer.flush()  # and its logged points: it does not log them again
         config = json.dumps(algorithm_config(self.args, self.cfg), sort_keys=True)
         checkpoint = dict(state=flax.serialization.to_state_dict(to_host(state)), update=update, config=config)
         contents = flax.serialization.msgpack_serialize(checkpoint)
         paths = checkpoint_paths(self.path, self.args.keep_checkpoints)
-        try:
+        with writing(f"{paths[0]}.tmp", update):  # the checkpoints written before stay as they are
             with open(f"{paths[0]}.tmp", "wb") as f:
                 f.write(hashlib.sha256(contents).hexdigest().encode() + b"\n" + contents)
                 f.flush()
@@ -1151,10 +1258,6 @@ class RunDir:
                 if os.path.exists(newer):  # copied, not linked: a bit that flips in one is not flipped in the other
                     shutil.copyfile(newer, f"{older}.tmp")
                     os.replace(f"{older}.tmp", older)
-        except OSError as error:  # disk full, quota, a file-size limit: the checkpoints written before stay as they are
-            kept = "the checkpoints written before are intact: run the same command to resume"
-            print(f"error: writing {paths[0]}.tmp after update {update} failed ({error}); {kept}", file=sys.stderr)
-            os._exit(CHECKPOINT_NOT_WRITTEN)
         os.replace(f"{paths[0]}.tmp", paths[0])
 
     def close(self, finished: bool):
@@ -1165,10 +1268,46 @@ class RunDir:
                 self.recorder.wait(timeout=600)
             self.recorder.kill()
         if self.active:
-            self.writer.close()
-            self.updates.close()
+            with writing(self.path, self.last_logged):
+                self.writer.close()
+                self.updates.close()
         if finished and self.wandb:
             self.wandb.finish()
+
+
+def journal(path: str, start_update: int) -> list[str]:
+    """updates.jsonl's records of the updates 1 to start_update (what the checkpoint covers), each once and in order:
+    records after it (the run redoes them), repeated or cut short by a kill or a full disk are dropped, in one line;
+    updates missing before it (lost with their file) are named in one line."""
+    lines = []
+    with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
+        lines = f.readlines()
+    records = {}
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # a line cut short: not JSON, or no newline
+            if line.endswith("\n") and 0 < (update := json.loads(line)["update"]) <= start_update:
+                records[update] = line
+    if dropped := len(lines) - len(records):
+        print(f"{path}: dropped {dropped} of {len(lines)} lines (after update {start_update}, repeated or cut short)")
+    if missing := [update for update in range(1, start_update + 1) if update not in records]:
+        print(f"{path} has no record of {len(missing)} updates its checkpoint covers ({missing[0]} to {missing[-1]})")
+    return [records[update] for update in sorted(records)]
+
+
+@contextlib.contextmanager
+def writing(path: str, update: int):  # a write that fails (a full disk, a quota) stops the run
+    try:
+        yield
+    except OSError as error:
+        stop_writing(path, update, error)
+
+
+def stop_writing(path: str, update: int, error: OSError):
+    """One line, exit status 74, at once: the checkpoints written before are intact, and updates.jsonl is healed when
+    the run resumes (see journal)."""
+    kept = "the checkpoints written before are intact: run the same command to resume"
+    print(f"error: writing {path} after update {update} failed ({error}); {kept}", file=sys.stderr, flush=True)
+    os._exit(WRITE_FAILED)
 
 
 def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, state: TrainState, update: int):
@@ -1186,8 +1325,8 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
     deadline = time.time() + 30
     for thread, *_ in actors.threads:
         thread.join(timeout=max(0.0, deadline - time.time()))
-    for name, trace in actors.failures:
-        print(f"error in thread {name}:\n{trace}", file=sys.stderr)
+    for failure in actors.failures:
+        print(failure, file=sys.stderr)
     preempted = not failed and update < cfg.num_updates
     signum = signals.received[0] if signals.received else signal.SIGTERM  # 128 + it; another process's stop: SIGTERM
     if preempted and cfg.rank == 0:
@@ -1195,7 +1334,8 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
         resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
         print(f"stopped by {by} after update {update} (global step {update * cfg.batch_size:,}); {resume}")
     if cfg.rank == 0 and args.save_model and not failed and not preempted:  # for cleanba/evaluate.py
-        with open(path := f"{run_dir.path}/{args.exp_name}.cleanba_model", "wb") as f:
+        path = f"{run_dir.path}/{args.exp_name}.cleanba_model"
+        with writing(path, update), open(path, "wb") as f:
             f.write(flax.serialization.to_bytes(to_host(state.params)))  # normalisation statistics included
         print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_dir.path})")
     run_dir.close(finished=not failed and not preempted)
@@ -1211,4 +1351,4 @@ if __name__ == "__main__":
         main(tyro.cli(Args))
     except ConfigError as error:  # bad input: one line naming the flag or file at fault, exit status 2, nothing written
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(error.status)

@@ -8,16 +8,23 @@
     sigterm@K     the process sends itself SIGTERM once update K is logged (a preemption at a known update; the
                   run stops after it, even when it is the first update of a resumed run)
     checkpoint@K  the process dies between writing update K's checkpoint and renaming it into place
+    journal@K     the disk fills while updates.jsonl gets update K's record: half of the line is written
+    events@K      the disk fills under TensorBoard's event file once update K's points are logged (its writer thread)
+    inf@K         before update K, the optimiser's second-moment estimates become infinite: its losses stay finite,
+                  the state it returns does not
 
 The script is loaded as a module and some of its functions are wrapped here, so the scripts carry no test hook.
 """
 
+import errno
 import importlib.util
 import os
 import signal
 import sys
 
+import jax
 import numpy as np
+import tensorboardX.record_writer
 import tyro
 
 path = sys.argv[1]
@@ -49,6 +56,32 @@ def with_actor_fault(make_rollout):
     return faulty_make_rollout
 
 
+def full_disk(*_):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class FillingDisk:
+    """A file on a disk that fills during the next write: half of it is written, then ENOSPC."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text):
+        self.file.write(text[: len(text) // 2])
+        self.file.flush()
+        full_disk()
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def infinite_second_moments(opt_state):  # Adam's, RMSProp's and RAdam's nu: steps of 0, a non-finite state
+    def poison(path, x):
+        return x * np.inf if "nu" in jax.tree_util.keystr(path) else x
+
+    return jax.tree_util.tree_map_with_path(poison, opt_state)
+
+
 def with_learner_fault(learn):
     def faulty_learn(update_fn, state, batch, update, last_checkpoint):
         if update == due:
@@ -57,6 +90,8 @@ def with_learner_fault(learn):
                 raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
             if fault == "nan":
                 batch["rewards"][:] = np.nan
+            if fault == "inf":
+                state = state.replace(opt_state=infinite_second_moments(state.opt_state))
         return learn(update_fn, state, batch, update, last_checkpoint)
 
     return faulty_learn
@@ -70,6 +105,19 @@ def with_stop_signal(log):
             os.kill(os.getpid(), signal.SIGTERM)
 
     return log_then_signal
+
+
+def with_full_disk(log):
+    def log_on_a_filling_disk(run_dir, update, *args):
+        if update == due and fault == "journal":
+            announce()
+            run_dir.updates = FillingDisk(run_dir.updates)
+        log(run_dir, update, *args)
+        if update == due and fault == "events":
+            announce()
+            tensorboardX.record_writer.RecordWriter.write = full_disk
+
+    return log_on_a_filling_disk
 
 
 def with_checkpoint_fault(checkpoint):
@@ -88,10 +136,12 @@ def with_checkpoint_fault(checkpoint):
 
 if fault == "actor":
     script.make_rollout = with_actor_fault(script.make_rollout)
-elif fault in ("learner", "nan"):
+elif fault in ("learner", "nan", "inf"):
     script.learn = with_learner_fault(script.learn)
 elif fault == "sigterm":
     script.RunDir.log = with_stop_signal(script.RunDir.log)
+elif fault in ("journal", "events"):
+    script.RunDir.log = with_full_disk(script.RunDir.log)
 elif fault == "checkpoint":
     script.RunDir.checkpoint = with_checkpoint_fault(script.RunDir.checkpoint)
 else:
