@@ -9,6 +9,7 @@
                   run stops after it, even when it is the first update of a resumed run)
     checkpoint@K  the process dies between writing update K's checkpoint and renaming it into place
     journal@K     the disk fills while updates.jsonl gets update K's record: half of the line is written
+    torn@K        the process dies while updates.jsonl gets update K's record, half of the line written (as SIGKILL)
     events@K      the disk fills under TensorBoard's event file once update K's points are logged (its writer thread)
     inf@K         before update K, the optimiser's second-moment estimates become infinite: its losses stay finite,
                   the state it returns does not
@@ -60,16 +61,21 @@ def full_disk(*_):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-class FillingDisk:
-    """A file on a disk that fills during the next write: half of it is written, then ENOSPC."""
+def killed(*_):
+    os._exit(137)
 
-    def __init__(self, file):
+
+class CutShort:
+    """A file whose next write stops half-way: the disk fills (ENOSPC), or the process dies."""
+
+    def __init__(self, file, how):
         self.file = file
+        self.how = how
 
     def write(self, text):
         self.file.write(text[: len(text) // 2])
         self.file.flush()
-        full_disk()
+        self.how()
 
     def __getattr__(self, name):
         return getattr(self.file, name)
@@ -77,7 +83,7 @@ class FillingDisk:
 
 def infinite_second_moments(opt_state):  # Adam's, RMSProp's and RAdam's nu: steps of 0, a non-finite state
     def poison(path, x):
-        return x * np.inf if "nu" in jax.tree_util.keystr(path) else x
+        return x + np.inf if "nu" in jax.tree_util.keystr(path) else x  # (nu >= 0: never NaN)
 
     return jax.tree_util.tree_map_with_path(poison, opt_state)
 
@@ -109,9 +115,9 @@ def with_stop_signal(log):
 
 def with_full_disk(log):
     def log_on_a_filling_disk(run_dir, update, *args):
-        if update == due and fault == "journal":
+        if update == due and fault in ("journal", "torn"):
             announce()
-            run_dir.updates = FillingDisk(run_dir.updates)
+            run_dir.updates = CutShort(run_dir.updates, full_disk if fault == "journal" else killed)
         log(run_dir, update, *args)
         if update == due and fault == "events":
             announce()
@@ -126,7 +132,7 @@ def with_checkpoint_fault(checkpoint):
 
             def die(*_):  # the write happened; the rename never does
                 announce()
-                os._exit(137)
+                killed()
 
             os.replace = die
         return checkpoint(run_dir, state, update, if_due)
@@ -140,7 +146,7 @@ elif fault in ("learner", "nan", "inf"):
     script.learn = with_learner_fault(script.learn)
 elif fault == "sigterm":
     script.RunDir.log = with_stop_signal(script.RunDir.log)
-elif fault in ("journal", "events"):
+elif fault in ("journal", "torn", "events"):
     script.RunDir.log = with_full_disk(script.RunDir.log)
 elif fault == "checkpoint":
     script.RunDir.checkpoint = with_checkpoint_fault(script.RunDir.checkpoint)
