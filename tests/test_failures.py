@@ -6,6 +6,7 @@ Faults are injected by tests/with_fault.py (CLEANBA_FAULT=<actor|learner|nan|sig
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from helpers import (
     load_module,
     load_script,
     only_run,
+    read_scalars,
     run,
     run_dirs,
     script_env,
@@ -442,3 +444,131 @@ def test_a_short_soak_loses_nothing(tmp_path, request, launcher, schedule):
     assert result["attempts"] == len(process_faults) + 1 and len(result["lost_updates"]) == len(process_faults), result
     if slurm:  # requeued after the first three; Ctrl-C (130) ends the job, which is submitted again
         assert result["requeues"] == 3 and result["submissions"] == 2, result
+
+
+# The run directory's integrity (DESIGN.md §8): one owner, a journal that heals, nothing non-finite kept, writes that
+# fail in one line. The run directory's code is the same in every script (tests/test_scripts.py): PPO runs it.
+SHORT = [*CHECKPOINTED, "--total-timesteps", 16 * 4 * 32]  # 16 updates, a checkpoint every 4
+
+
+def run_faulty(cwd, fault: str, *flags) -> subprocess.CompletedProcess:
+    """The script under tests/with_fault.py, its stdout and stderr apart."""
+    args = command("ppo", flags, shared_cache=True)
+    args.insert(1, os.path.join(os.path.dirname(__file__), "with_fault.py"))
+    env = dict(script_env(), CLEANBA_FAULT=fault)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def stderr_line(result: subprocess.CompletedProcess, status: int) -> str:
+    """The one line a run that ends with `status` prints on stderr (the fault hook's announcement aside)."""
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("CLEANBA_FAULT: ")]
+    assert result.returncode == status and len(lines) == 1, (result.returncode, result.stderr[-3000:])
+    return lines[0]
+
+
+def test_a_second_copy_of_the_command_is_refused_and_the_first_runs_on(tmp_path):
+    """The same command twice in one run directory (a double submit): the second is refused in one line naming the
+    holder, exit status 73, and writes nothing; the first runs on and logs every update once."""
+    flags = [*LONG_CARTPOLE, "--num-actor-threads", 1, "--checkpoint-interval", 10_000]  # no file comes meanwhile
+    first = start(tmp_path, *flags)
+    try:
+        wait_for_updates(tmp_path, 5, first)
+        run_dir = only_run(tmp_path)
+        before = sorted(os.listdir(run_dir))
+        second = run(tmp_path, *flags, timeout=120)
+        holder = f"pid {first.pid} on {socket.gethostname()}"
+        assert stderr_line(second, 73) == (
+            f"error: {os.path.relpath(run_dir, tmp_path)} is in use by another copy of this command ({holder}): "
+            "wait for it to end or stop it; another --run-name starts another run"
+        )
+        assert second.stdout == "" and sorted(os.listdir(run_dir)) == before
+        wait_for_updates(tmp_path, 10, first)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        output = first.communicate(timeout=60)[0]
+    assert first.returncode == 128 + signal.SIGTERM, output[-3000:]
+    stopped = int(re.search(r"stopped by SIGTERM after update (\d+)", output).group(1))
+    assert updates_logged(run_dir) == list(range(1, stopped + 1))
+
+
+@pytest.mark.parametrize("fault", ["journal", "events"])
+def test_a_full_disk_under_the_logs_stops_in_one_line_and_the_run_resumes_whole(tmp_path, fault):
+    """The disk fills while updates.jsonl gets update 5's record (half of the line is written) or under TensorBoard's
+    event file (its writer thread, a moment later): one line naming the file, exit status 74. The same command then
+    resumes from the checkpoint of update 4, drops what the journal holds after it (the torn line included) in one
+    line, and logs every update exactly once, in updates.jsonl and in TensorBoard."""
+    failed = run_faulty(tmp_path, f"{fault}@5", *SHORT)
+    run_dir = os.path.relpath(only_run(tmp_path), tmp_path)
+    file = "updates.jsonl" if fault == "journal" else "events.out.tfevents.*"
+    expected = rf"error: writing {re.escape(run_dir)}/{re.escape(file)} after update [5-7] failed \(\[Errno 28\] "
+    expected += r"No space left on device\); the checkpoints written before are intact: run the same command to resume"
+    assert re.fullmatch(expected, stderr_line(failed, 74))
+    if fault == "journal":
+        with open(os.path.join(tmp_path, run_dir, "updates.jsonl")) as f:
+            assert not f.read().endswith("\n")  # the torn line
+    resumed = run(tmp_path, *SHORT)
+    assert resumed.returncode == 0 and resumed.stderr == "", resumed.stderr[-3000:]
+    assert re.search(r"updates.jsonl: dropped \d+ of \d+ lines \(after update 4, ", resumed.stdout), resumed.stdout
+    assert "after update 4 " in resumed.stdout
+    assert updates_logged(only_run(tmp_path)) == list(range(1, 17))
+    assert values(read_scalars(only_run(tmp_path)), "stats/update") == list(range(1, 17))
+
+
+def rewrite_checkpoint(path: str, change):
+    """A checkpoint changed and written with its checksum, as a run would have written it."""
+    checkpoint = load_checkpoint(os.path.dirname(path), os.path.basename(path))
+    change(checkpoint)
+    contents = flax.serialization.msgpack_serialize(checkpoint)
+    with open(path, "wb") as f:
+        f.write(hashlib.sha256(contents).hexdigest().encode() + b"\n" + contents)
+
+
+def test_a_non_finite_state_stops_in_one_line_and_is_never_kept(tmp_path):
+    """An update whose losses are finite but whose state is not (the optimiser's, here): one line naming the update
+    and what went non-finite, exit status 1; the checkpoints kept are finite and no model is saved. A checkpoint that
+    holds non-finite values (one written before the check existed) is passed over for the one before, in one line."""
+    failed = run_faulty(tmp_path, "inf@7", *SHORT, "--checkpoint-interval", 2, "--save-model")
+    line = stderr_line(failed, 1)
+    assert line.startswith("error: non-finite values after update 7: opt_state/") and " values)" in line, line
+    assert line.endswith("; the last good checkpoint is the one after update 6"), line
+    run_dir = only_run(tmp_path)
+    assert [load_checkpoint(run_dir, name)["update"] for name in CHECKPOINT_FILES] == [6, 4]
+    for name in CHECKPOINT_FILES:
+        leaves = flax.traverse_util.flatten_dict(load_checkpoint(run_dir, name)["state"]).values()
+        assert all(np.all(np.isfinite(leaf)) for leaf in leaves), name
+    assert not [name for name in os.listdir(run_dir) if name.endswith(".cleanba_model")]
+
+    def poison(checkpoint):
+        critic = checkpoint["state"]["params"]["critic"]["params"]
+        critic["bias"] = np.full_like(critic["bias"], np.inf)
+
+    rewrite_checkpoint(os.path.join(run_dir, "checkpoint.msgpack"), poison)
+    resumed = run(tmp_path, *SHORT, "--checkpoint-interval", 2)
+    name = os.path.relpath(run_dir, tmp_path)
+    passed_over = f"{name}/checkpoint.msgpack holds non-finite values: params/critic/params/bias (1 of 1 values): "
+    passed_over += f"renamed *.unusable, resuming from {name}/checkpoint.1.msgpack, the newest usable checkpoint"
+    assert resumed.returncode == 0 and passed_over in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr
+    assert f"resuming from {name}/checkpoint.1.msgpack after update 4 " in resumed.stdout
+    assert updates_logged(run_dir) == list(range(1, 17))
+
+
+def test_no_resume_leaves_nothing_of_the_old_run_and_any_older_checkpoint_is_a_fallback(tmp_path):
+    """A run keeping 3 checkpoints, stopped; its newest corrupted: the same command with --keep-checkpoints 1 resumes
+    from the one before and says which file it loaded. --no-resume with --keep-checkpoints 1 then removes every
+    checkpoint of the old run, so the plain command later resumes the new run, never the abandoned one."""
+    flags = [*SHORT, "--checkpoint-interval", 2]
+    stopped = run_faulty(tmp_path, "sigterm@8", *flags, "--keep-checkpoints", 3)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    run_dir = only_run(tmp_path)
+    name = os.path.relpath(run_dir, tmp_path)
+    with open(os.path.join(run_dir, "checkpoint.msgpack"), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    fell_back = run_faulty(tmp_path, "sigterm@9", *flags, "--keep-checkpoints", 1)
+    assert fell_back.returncode == 128 + signal.SIGTERM, fell_back.stderr[-3000:]
+    assert f"resuming from {name}/checkpoint.1.msgpack after update 6 " in fell_back.stdout, fell_back.stdout
+    over = run_faulty(tmp_path, "sigterm@3", *flags, "--keep-checkpoints", 1, "--no-resume")
+    assert over.returncode == 128 + signal.SIGTERM and "resuming" not in over.stdout, over.stdout + over.stderr
+    assert [n for n in os.listdir(run_dir) if n.endswith(".msgpack")] == ["checkpoint.msgpack"]
+    resumed = run(tmp_path, *flags)
+    assert resumed.returncode == 0 and f"resuming from {name}/checkpoint.msgpack after update 3 " in resumed.stdout
+    assert updates_logged(run_dir) == list(range(1, 17))

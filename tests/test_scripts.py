@@ -195,6 +195,11 @@ BAD_INPUT = [
     (["--num-processes", 2, "--process-id", 1], "--num-processes"),  # without --distributed: two runs in one directory
     (["--process-id", 1], "--num-processes"),  # the same
     (["--distributed", "--num-processes", 2, "--process-id", 2], "--process-id"),  # ranks are 0 and 1
+    (["--exp-name", "x" * 300], "--exp-name"),  # a directory name over 255 bytes: OSError once it is made
+    (["--exp-name", "two\nlines"], "--exp-name"),
+    (["--distributed", "--coordinator-address", "not a host"], "--coordinator-address"),  # JAX's IndexError
+    (["--total-timesteps", 2_000_000_000_000], "--total-timesteps"),  # JAX's 32-bit step counts: OverflowError
+    (["--learning-rate", "inf"], "--learning-rate"),  # accepted, then a traceback at update 1
 ]
 NORM_OBS_ON_A_DICT = (["--env-id", "MiniGrid-Empty-5x5-v0", "--norm-obs", "True"], "--norm-obs")
 # Continuous actions normalise observations by default: a dict of them (DMC's) needs --norm-obs False.
@@ -207,10 +212,15 @@ ALGO_BAD_INPUT = {
         NORM_OBS_BY_DEFAULT_ON_A_DICT,
         (["--critic-core"], "--critic-core"),  # without --lstm-size
         (["--clip-coef", -0.1], "--clip-coef"),
+        (["--ent-coef", "nan"], "--ent-coef"),
+        (["--adam-eps", -1], "--adam-eps"),
+        (["--vf-coef", -1], "--vf-coef"),
     ],
     "impala": [
         (["--local-num-envs", 6, "--num-actor-threads", 1, "--num-minibatches", 4], "--num-minibatches"),
         (["--rmsprop-eps", 0], "--rmsprop-eps"),
+        (["--ent-coef", "nan"], "--ent-coef"),
+        (["--vf-coef", -1], "--vf-coef"),
         NORM_OBS_ON_A_DICT,
         NORM_OBS_BY_DEFAULT_ON_A_DICT,
     ],
