@@ -65,8 +65,13 @@ def main(run_dir: str, parent: int):
         recorder = recorder or Recorder(run_dir, max_frames=MAX_FRAMES)
         frames, episode_return = recorder.episode(on_actor_axis(checkpoint["state"]["params"]))
         update = int(checkpoint["update"])
-        write_video(os.path.join(run_dir, "videos", f"update-{update}.mp4"), frames)
-        log_video(writer, "videos/agent", frames, update * layout["batch_size"])
+        video = os.path.join(run_dir, "videos", f"update-{update}.mp4")
+        try:
+            write_video(video, frames)
+            log_video(writer, "videos/agent", frames, update * layout["batch_size"])
+        except OSError as error:  # a full disk, a quota: one line, exit 74 (EX_IOERR) as the scripts'; training goes on
+            print(f"error: record.py: writing {video} failed ({error}); no more videos of this run", file=sys.stderr)
+            sys.exit(74)
         print(f"record.py: update {update}: an episode of {len(frames) - 1} steps, return {episode_return:g}")
         if update == layout["num_updates"]:
             return
