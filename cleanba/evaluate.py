@@ -107,7 +107,10 @@ def saved_params(run_dir: str, exp_name: str):
     checkpoints = checkpoints_newest_first(run_dir)
     if os.path.exists(model) and not (checkpoints and os.path.getmtime(checkpoints[0]) > os.path.getmtime(model)):
         with open(model, "rb") as f:
-            return on_actor_axis(flax.serialization.msgpack_restore(f.read()))
+            params = flax.serialization.msgpack_restore(f.read())
+        if finite(params):
+            return on_actor_axis(params)
+        print(f"{model} holds non-finite values (saved before the scripts checked their state): passed over")
     for path in checkpoints:
         with open(path, "rb") as f:
             digest, _, contents = f.read().partition(b"\n")  # the SHA-256 of the rest, then the msgpack
@@ -115,10 +118,17 @@ def saved_params(run_dir: str, exp_name: str):
             print(f"{path} is cut short or changed (its SHA-256 checksum does not match): passed over")
             continue
         checkpoint = flax.serialization.msgpack_restore(contents)
+        if not finite(checkpoint["state"]["params"]):
+            print(f"{path} holds non-finite values: passed over")
+            continue
         print(f"playing {path}, the parameters after update {checkpoint['update']} (no newer model of --save-model)")
         return on_actor_axis(checkpoint["state"]["params"])
     print(f"error: {run_dir} holds no model (--save-model) and no intact checkpoint to play", file=sys.stderr)
     sys.exit(2)
+
+
+def finite(params) -> bool:  # no NaN or infinity: the agent a run trained (nothing else is ever saved)
+    return all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
 
 
 def on_actor_axis(params):  # the device axis the actors' rollout takes
