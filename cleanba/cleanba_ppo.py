@@ -1165,8 +1165,8 @@ def checked(update):
     """The update, and whether the state it returns (parameters, optimiser state) is finite: one reduction more in
     its program, where the check costs nothing but the flag's copy to the host with the losses."""
 
-    def update_and_check(state, batch, update_index):
-        state, *results = update(state, batch, update_index)
+    def update_and_check(*inputs):
+        state, *results = update(*inputs)
         leaves = jax.tree.leaves((state.params, state.opt_state))
         return state, *results, jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
