@@ -1,12 +1,12 @@
 """Runs a grid of experiments (env ids x seeds) on this machine or on a SLURM cluster.
 
     # on this machine: at most 2 at a time, each with its own CPUs (and GPU, given --device-ids)
-    python cleanba/launch.py --env-ids CartPole-v1 Acrobot-v1 --seeds 1 2 3 --workers 2 -- \\
-        python cleanba/cleanba_ppo.py --total-timesteps 100000
+    .venv/bin/python cleanba/launch.py --env-ids CartPole-v1 Acrobot-v1 --seeds 1 2 3 --workers 2 -- \\
+        .venv/bin/python cleanba/cleanba_ppo.py --total-timesteps 100000
 
     # on SLURM: renders cleanba.slurm_template into an array job and submits it (--dry-run prints it)
-    python cleanba/launch.py --slurm --env-ids Breakout-v5 Pong-v5 --seeds 1 2 3 --gpus-per-task 1 \\
-        --cpus-per-task 10 -- python cleanba/cleanba_impala.py
+    .venv/bin/python cleanba/launch.py --slurm --env-ids Breakout-v5 Pong-v5 --seeds 1 2 3 --gpus-per-task 1 \\
+        --cpus-per-task 10 -- .venv/bin/python cleanba/cleanba_impala.py
 
 Each experiment runs the command after `--` with `--env-id ENV --seed SEED` appended. Locally, the
 experiments share the machine in `--workers` slots: a slot owns a fixed share of the CPU cores (and of

@@ -235,6 +235,29 @@ def check_flags(words: list[str], page: str) -> list[str]:
     return problems
 
 
+# Steps per second of a training script on 2 CPU cores, by family, rounded down (Results' minutes; Breakout's PPO):
+# what a command's --total-timesteps costs, to tell the commands that must say how long they take.
+STEPS_PER_SECOND = {"classic control": 20_000, "MuJoCo": 5_000, "MiniGrid": 1_000, "pixels": 200}
+CLASSIC_CONTROL = ("CartPole", "Acrobot", "MountainCar", "Pendulum")
+MUJOCO = ("HalfCheetah", "Hopper", "Walker2d", "Ant", "Humanoid", "Swimmer", "Reacher", "InvertedPendulum")
+DURATION = re.compile(r"\b\d[\d,.]*\s*(s|seconds?|min|minutes?|h|hours?)\b|\bseconds\b|\bminutes\b|\bhours\b")
+
+
+def seconds_to_run(name: str, argv: tuple[str, ...]) -> float:
+    """About how long a training command runs on 2 CPU cores (0 for a tool, or a command that does not parse)."""
+    args, _, _ = parsed(name, argv)
+    if name not in SCRIPTS or args is None:
+        return 0.0
+    family = "pixels"
+    if args.env_id.startswith(CLASSIC_CONTROL):
+        family = "classic control"
+    elif args.env_id.startswith(MUJOCO):
+        family = "MuJoCo"
+    elif args.env_id.startswith("MiniGrid"):
+        family = "MiniGrid"
+    return args.total_timesteps / STEPS_PER_SECOND[family]
+
+
 def check_words(words: list[str], page: str, span: bool) -> tuple[str | None, str]:
     """(The program the words are about, or None; what is wrong, or "")."""
     if span and words[0].startswith("--"):
@@ -242,6 +265,8 @@ def check_words(words: list[str], page: str, span: bool) -> tuple[str | None, st
     name, index = find_program(words)
     if name is None:
         return None, ""
+    if index and os.path.basename(words[index - 1]) in ("python", "python3") and "/" not in words[index - 1]:
+        return name, "a bare interpreter: in a fresh shell after the quickstart, `.venv/bin/python` runs it"
     if "..." in words:  # `python cleanba/cleanba_ppo.py ...`: a command left to the reader
         return None, ""
     if span and index == 0:  # named in prose: `cleanba/launch.py --device-ids 0 --workers 4`
@@ -285,11 +310,17 @@ def checked(page: str) -> list[tuple[str, str, str, str]]:
         if fence.group(2) not in SHELL_FENCES:
             continue
         body = fence.group(3)
+        # How long it takes, said in the block or in the 3 lines before it (a grid's own comment, in its file).
+        told = DURATION.search("\n".join([*text[: fence.start()].splitlines()[-3:], body]))
         for include in INCLUDE.finditer(body):
             for line, words in included(include.group(1), include.group(2)):
                 check(f"{include.group(1)}:{line} (in {page})", words, span=False)
         for line, words in Shell().commands(INCLUDE.sub("", body)):
             check(f"{page}:{first_line + line}", words, span=False)
+            name, index = find_program(words)
+            if name and not told and (seconds := seconds_to_run(name, tuple(words[index + 1 :]))) > 120:
+                what = f"runs ~{seconds / 60:.0f} minutes on 2 CPU cores: say how long, or set --total-timesteps"
+                results.append((f"{page}:{first_line + line}", " ".join(words), name, what))
     prose = FENCE.sub(lambda fence: "\n" * fence.group(0).count("\n"), text)  # line numbers kept
     for span in SPAN.finditer(prose):
         content = span.group(2).replace("\n", " ").strip()
@@ -319,6 +350,10 @@ def test_the_checks_find_the_quickstart_and_refuse_what_a_user_would_trip_on():
     assert not check_flags(["--resume", "/", "--no-resume"], "docs/get-started.md")
     assert check_flags(["--vtrace-pg-rho-clip"], "docs/scripts/impala.md")
     assert check_flags(["--lstm-size", "sixty-four"], "docs/get-started.md")
+    assert check_words(["python", "cleanba/cleanba_ppo.py", "--env-id", "CartPole-v1"], "README.md", span=False)[1]
+    assert not check_words([".venv/bin/python", "cleanba/cleanba_ppo.py"], "README.md", span=False)[1]
+    assert seconds_to_run("cleanba_ppo.py", ("--env-id", "Breakout-v5")) > 3600  # the default 50M steps
+    assert seconds_to_run("cleanba_ppo.py", ("--env-id", "CartPole-v1", "--total-timesteps", "300000")) < 120
 
 
 def test_every_tool_answers_help_with_its_usage():
