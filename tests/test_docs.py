@@ -4,10 +4,13 @@ Fast (no JAX import, no training): the scripts are read with `ast` by docs/gen_f
 with `mkdocs build --strict` by .ci/run, which fails on a broken link, anchor or included file.
 """
 
+import html
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -98,3 +101,34 @@ def test_the_split_update_patch_applies_to_the_code_as_it_is():
     patch = os.path.join("docs", "notes", "split-update.patch")
     check = subprocess.run(["git", "apply", "--check", patch], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+
+
+# The pages a newcomer reads first, and the widest tables.
+RENDERED = ["", "get-started/", "scripts/ppo/", "reference/flags/", "reference/exit-statuses/", "results/"]
+# Run in the page once it has loaded (Material's scripts included): every table or code block that a reader would
+# have to scroll sideways (Material puts a table in a box that scrolls; a code block scrolls itself).
+MEASURE = """<script>
+window.addEventListener("load", () => {
+  const boxes = [...document.querySelectorAll(".md-typeset__scrollwrap, .md-content pre > code")];
+  const wide = boxes.filter((box) => box.scrollWidth > box.clientWidth + 1).map((box) => box.textContent.slice(0, 80));
+  document.body.setAttribute("data-too-wide", JSON.stringify(wide));
+});
+</script>"""
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="needs Debian's chromium (.ci/run installs it)")
+def test_the_first_pages_fit_a_1280_pixel_window(tmp_path):
+    """What a reader sees in a browser 1,280 pixels wide: no table or code block that must be scrolled sideways, so
+    nothing is cut off or hidden behind a scroll bar (a stylesheet that kept code from wrapping did both)."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    mkdocs = os.path.join(os.path.dirname(sys.executable), "mkdocs")
+    subprocess.run([mkdocs, "build", "-q", "-d", str(tmp_path)], cwd=REPO, env=env, check=True, capture_output=True)
+    for page in RENDERED:
+        path = tmp_path / page / "index.html"
+        path.write_text(path.read_text().replace("</body>", MEASURE + "</body>"))
+        browser = [*"chromium --headless --no-sandbox --disable-gpu --no-first-run".split(), "--window-size=1280,900"]
+        browser += ["--disable-background-networking", "--virtual-time-budget=5000", "--dump-dom", path.as_uri()]
+        dom = subprocess.run(browser, capture_output=True, text=True, timeout=60).stdout
+        measured = re.search(r'data-too-wide="([^"]*)"', dom)
+        assert measured, f"{page or 'index'}: the page did not load in chromium"
+        assert html.unescape(measured.group(1)) == "[]", f"{page or 'index'}: {html.unescape(measured.group(1))}"
