@@ -4,11 +4,20 @@
 
 For every run under the given directories (a run is a directory with config.json and event files):
 the final score is the mean `charts/episodic_return` over the last --last-fraction of its logged points.
-Runs are grouped by method (the run's --exp-name) and environment (with --mask-obs, e.g. CartPole-v1-mask1-3: another
-task). Written to --out:
+Runs are grouped by method and environment (with --mask-obs, e.g. CartPole-v1-mask1-3: another task). A method is
+the runs' --exp-name and their configuration: the script and its algorithm flags (the fields its Args marks
+Algorithm[...], read from config.json, with the global number of environments: what the run name's hash covers,
+--run-name or not; the seed aside). Runs of one --exp-name never pool other configurations: each configuration is a
+method of its own, named by the flags that tell them apart, e.g. `ppo [total_timesteps=300000, num_envs=8]` and
+`ppo [total_timesteps=32000, num_envs=128]`, in every table and plot.
 
-- scores.csv: one row per run: method, script, env id, seed, steps, final score, human-normalised score (HNS), and the
-  test score on unseen levels (Procgen, below)
+The seeds column counts distinct seeds: runs of one seed and one configuration are the same experiment run again,
+so their scores are averaged into that seed's (said on stderr), never counted as more seeds. A run left out (no
+finished episode yet, config.json or its event files unreadable or missing) is named on stderr with the reason, one
+line each. Written to --out:
+
+- scores.csv: one row per run: method, script, env id, seed, steps, final score, human-normalised score (HNS), the
+  test score on unseen levels (Procgen, below) and the run directory
 - games.md / games.csv: per method and environment, the final score's mean +- std over seeds, its steps and
   wall-clock time, and the published reference score of the same algorithm where there is one (PUBLISHED below)
 - aggregates.md / aggregates.csv, aggregates.png: per method, median, mean and IQM of the HNS over its Atari
@@ -40,6 +49,7 @@ from collections import defaultdict
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_runs import NOT_SET, algorithm_config, flag_value  # noqa: E402
 from events import read_events  # noqa: E402
 
 # Random and human reference scores of the 57 Atari games, as used for human-normalised scores since
@@ -218,34 +228,126 @@ def stratified_bootstrap(scores_by_game: dict[str, list[float]], repetitions=200
     return {name: (float(low[i]), float(high[i])) for i, name in enumerate(AGGREGATES)}
 
 
+NOTES = {"left out": 0, "run twice": 0}  # what stderr said, counted in the last line
+
+
+def left_out(run_dir: str, why: str):
+    NOTES["left out"] += 1
+    print(f"left out: {run_dir}: {why}", file=sys.stderr)
+
+
 def load_runs(directories: list[str]) -> list[dict]:
-    runs = []
+    """The runs with finished episodes under the directories; each run left out is named on stderr with why."""
+    runs, seen = [], set()
     for directory in directories:
-        for config_path in sorted(glob.glob(os.path.join(directory, "**", "config.json"), recursive=True)):
+        configs = sorted(glob.glob(os.path.join(directory, "**", "config.json"), recursive=True))
+        for config_path in configs:
             run_dir = os.path.dirname(config_path)
-            with open(config_path) as f:
-                config = json.load(f)
-            args, events = config["args"], read_events(run_dir)
+            if os.path.realpath(run_dir) in seen:  # a directory given twice (runs/ and runs/<run>): one run
+                continue
+            seen.add(os.path.realpath(run_dir))
+            try:
+                with open(config_path) as f:
+                    config = json.load(f)
+                args = config["args"]
+                method, env_id, seed = args["exp_name"], args["env_id"], args["seed"]
+                algorithm = algorithm_config(config)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                left_out(run_dir, f"unreadable config.json ({type(error).__name__}: {error})")
+                continue
+            if not glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+                left_out(run_dir, "no event file (the run wrote none yet)")
+                continue
+            try:
+                events = read_events(run_dir)
+            except Exception as error:  # a damaged file: whatever TensorBoard's reader raises
+                left_out(run_dir, f"unreadable event files ({type(error).__name__}: {error})")
+                continue
             curve = events.scalars.get("charts/episodic_return", [])
+            if not curve:
+                left_out(run_dir, "no finished episode (no charts/episodic_return in its event files)")
+                continue
             unseen = [value for _, value, _ in events.scalars.get(UNSEEN_LEVELS_TAG, [])]
-            script = config.get("script", "cleanba_ppo.py" if "update_epochs" in args else "cleanba_impala.py")
-            env_id = args["env_id"]
             if args.get("mask_obs"):  # another task: the same environment with components of its observation hidden
                 env_id = f"{env_id}-mask{'-'.join(map(str, args['mask_obs']))}"
-            if curve:
-                runs.append(
-                    dict(
-                        run_dir=run_dir,
-                        method=args["exp_name"],
-                        script=script,
-                        env_id=env_id,
-                        seed=args["seed"],
-                        curve=curve,
-                        started=events.started,
-                        test_score=float(np.mean(unseen)) if unseen else None,
-                    )
+            # What tells the runs of one method and environment apart: every algorithm flag but those in the row's
+            # own key (the method, the environment) and the seed, which the rows pool.
+            config = {k: v for k, v in algorithm.items() if k not in ("exp_name", "env_id", "mask_obs", "seed")}
+            runs.append(
+                dict(
+                    run_dir=run_dir,
+                    method=method,
+                    exp_name=method,
+                    script=algorithm["script"],
+                    config=config,
+                    env_id=env_id,
+                    seed=seed,
+                    curve=curve,
+                    started=events.started,
+                    test_score=float(np.mean(unseen)) if unseen else None,
                 )
+            )
+        known = {os.path.dirname(path) for path in configs}
+        for path in sorted(glob.glob(os.path.join(directory, "**", "events.out.tfevents.*"), recursive=True)):
+            if os.path.dirname(path) not in known:
+                known.add(os.path.dirname(path))
+                left_out(os.path.dirname(path), "event files without a config.json (not a run directory)")
+    label_configurations(runs)
     return runs
+
+
+def label_configurations(runs: list[dict]):
+    """Sets each run's method to its --exp-name, followed, where runs of that name have several configurations, by
+    the flags that tell its configuration apart: `ppo [total_timesteps=300000, num_envs=8]`. Between scripts, the
+    script and the flags both have (each script's own flags would make labels of a whole Args)."""
+    by_name = defaultdict(dict)
+    for run in runs:
+        by_name[run["exp_name"]][json.dumps(run["config"], sort_keys=True)] = run["config"]
+    for name, configs in by_name.items():
+        if len(configs) == 1:
+            continue
+        configs = list(configs.values())
+        flags = dict.fromkeys(k for config in configs for k in config)  # the scripts' order
+        differing = [k for k in flags if len({json.dumps(c.get(k, NOT_SET), sort_keys=True) for c in configs}) > 1]
+        shared = [k for k in differing if all(k in config for config in configs)]
+        labels = [[f"{k}={flag_value(c[k])}" for k in shared] for c in configs]
+        if "script" not in shared or len({json.dumps(label) for label in labels}) < len(configs):
+            labels = [[f"{k}={flag_value(c[k])}" for k in differing if k in c] for c in configs]
+        label_of = {json.dumps(c, sort_keys=True): label for c, label in zip(configs, labels, strict=True)}
+        for run in runs:
+            if run["exp_name"] == name:
+                run["method"] = f"{name} [{', '.join(label_of[json.dumps(run['config'], sort_keys=True)])}]"
+
+
+def seed_scores(runs: list[dict]) -> list[dict]:
+    """One entry per (method, environment, seed): its runs' scores averaged. Runs of one seed and one configuration
+    are the same experiment run again (a copy, a --run-name rerun): one seed, said on stderr."""
+    by_seed = defaultdict(list)
+    for run in runs:
+        by_seed[run["method"], run["env_id"], run["seed"]].append(run)
+    entries = []
+    for (method, env_id, seed), group in sorted(by_seed.items()):
+        if len(group) > 1:
+            NOTES["run twice"] += 1
+            print(
+                f"duplicate: {method} on {env_id}, seed {seed}: {len(group)} runs of one configuration and seed "
+                f"({', '.join(r['run_dir'] for r in group)}): one seed, their scores averaged",
+                file=sys.stderr,
+            )
+        tests = [r["test_score"] for r in group if r["test_score"] is not None]
+        score = float(np.mean([r["score"] for r in group]))
+        entries.append(
+            dict(
+                method=method,
+                env_id=env_id,
+                seed=seed,
+                runs=group,
+                score=score,
+                hns=human_normalized(env_id, score),
+                test_score=float(np.mean(tests)) if tests else None,
+            )
+        )
+    return entries
 
 
 def final_score(curve, last_fraction: float) -> float:
@@ -270,12 +372,16 @@ def plot_curves(runs: list[dict], env_id: str, path: str):
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
     for method in sorted({r["method"] for r in runs}):
         curves = [r["curve"] for r in runs if r["method"] == method]
+        seeds = [r["seed"] for r in runs if r["method"] == method]
         for axis, x_of in ((by_step, lambda c: [p[0] for p in c]), (by_time, lambda c: [p[2] - c[0][2] for p in c])):
             xs = [np.asarray(x_of(c), dtype=float) for c in curves]
             grid = np.linspace(max(x[0] for x in xs), min(x[-1] for x in xs), 100)  # where every seed has data
-            ys = [np.interp(grid, x, [p[1] for p in c]) for x, c in zip(xs, curves, strict=True)]
+            by_seed = defaultdict(list)  # a seed run twice is one seed: its runs' curves averaged
+            for x, c, seed in zip(xs, curves, seeds, strict=True):
+                by_seed[json.dumps(seed)].append(np.interp(grid, x, [p[1] for p in c]))
+            ys = [np.mean(same_seed, axis=0) for same_seed in by_seed.values()]
             mean, low, high = mean_and_interval(ys)
-            axis.plot(grid, mean, label=f"{method} ({len(curves)} seeds)")
+            axis.plot(grid, mean, label=f"{method} ({len(ys)} seeds)")
             axis.fill_between(grid, low, high, alpha=0.2)
     by_step.set_xlabel("environment steps")
     by_step.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=""))  # 500k, 1M: no overlapping labels
@@ -352,7 +458,8 @@ def mean_and_std(values: list[float]) -> str:
 
 
 def report_procgen(runs: list[dict], out: str, repetitions: int):
-    """procgen.{md,csv}: per method and game, the train and test (unseen levels) returns, raw and normalised;
+    """procgen.{md,csv}: per method and game, the train and test (unseen levels) returns (of each seed), raw and
+    normalised;
     procgen_aggregates.{md,csv}: per method, the aggregates of the normalised train and test scores over its games."""
     groups = defaultdict(list)
     for run in runs:
@@ -433,19 +540,22 @@ def main():
         hns = "" if run["hns"] is None else run["hns"]
         test_score = "" if run["test_score"] is None else run["test_score"]
         rows.append([run["method"], run["script"], run["env_id"], run["seed"], run["curve"][-1][0], run["score"], hns])
-        rows[-1].append(test_score)
-    header = ["method", "script", "env_id", "seed", "steps", "score", "hns", "test_score"]
+        rows[-1] += [test_score, run["run_dir"]]
+    header = ["method", "script", "env_id", "seed", "steps", "score", "hns", "test_score", "run"]
     write_table(os.path.join(args.out, "scores"), header, rows)
+    seeds = seed_scores(runs)  # what the tables below count and aggregate: one entry per seed
 
     groups = defaultdict(list)
-    for run in runs:
-        groups[run["method"], run["env_id"]].append(run)
+    for entry in seeds:
+        groups[entry["method"], entry["env_id"]].append(entry)
     game_rows = []
     for (method, env_id), group in sorted(groups.items()):
-        scores, minutes = [r["score"] for r in group], [(r["curve"][-1][2] - r["started"]) / 60 for r in group]
-        scripts = {r["script"] for r in group}  # one method, one script: its published counterpart, if any
-        published = PUBLISHED.get((scripts.pop(), env_id)) if len(scripts) == 1 else None
-        steps = f"{np.median([r['curve'][-1][0] for r in group]):,.0f}"
+        scores = [entry["score"] for entry in group]
+        every_run = [run for entry in group for run in entry["runs"]]
+        minutes = [(r["curve"][-1][2] - r["started"]) / 60 for r in every_run]
+        (script,) = {r["script"] for r in every_run}  # the script is part of the method's configuration
+        published = PUBLISHED.get((script, env_id))
+        steps = f"{np.median([r['curve'][-1][0] for r in every_run]):,.0f}"
         digits = 3 if abs(np.mean(scores)) < 10 else 1  # returns within [0, 1] (MiniGrid's) need more than one digit
         game_rows.append(
             [
@@ -465,17 +575,20 @@ def main():
             [run for run in runs if run["env_id"] == env_id], env_id, os.path.join(args.out, f"curves_{env_id}.png")
         )
 
-    procgen = [run for run in runs if procgen_normalized(run["env_id"], run["score"]) is not None]
+    procgen = [entry for entry in seeds if procgen_normalized(entry["env_id"], entry["score"]) is not None]
     if procgen:
         report_procgen(procgen, args.out, args.bootstrap)
-    by_method = defaultdict(lambda: defaultdict(list))  # human-normalised scores of the Atari games only
-    for run in runs:
-        if run["hns"] is not None:
-            by_method[run["method"]][run["env_id"]].append(run["hns"])
+    by_method = defaultdict(lambda: defaultdict(list))  # human-normalised scores of the Atari games only, per seed
+    for entry in seeds:
+        if entry["hns"] is not None:
+            by_method[entry["method"]][entry["env_id"]].append(entry["hns"])
     with open(os.path.join(args.out, "games.md")) as f:
         print(f.read())
+    notes = [f"{n} {'runs' if n > 1 else 'run'} left out" for n in [NOTES["left out"]] if n]
+    notes += [f"{n} {'seeds' if n > 1 else 'seed'} run more than once" for n in [NOTES["run twice"]] if n]
+    notes = f" ({', '.join(notes)}: named on stderr)" if notes else ""
     if not by_method:
-        return print(f"{len(runs)} runs, no Atari game to aggregate over; tables and plots in {args.out}/")
+        return print(f"{len(runs)} runs{notes}, no Atari game to aggregate over; tables and plots in {args.out}/")
     for method, scores in sorted(by_method.items()):
         fewest = min(map(len, scores.values()))
         if any(len(s) > fewest for s in scores.values()):  # rliable's bootstrap needs as many runs of every game
@@ -498,7 +611,8 @@ def main():
         plot_profiles(by_method, os.path.join(args.out, "profiles.png"), "Human-normalised score", args.bootstrap)
     with open(os.path.join(args.out, "aggregates.md")) as f:
         print(f.read())
-    print(f"{len(runs)} runs, {len({r['env_id'] for r in runs})} environments; tables and plots in {args.out}/")
+    environments = len({r["env_id"] for r in runs})
+    print(f"{len(runs)} runs{notes}, {environments} environments; tables and plots in {args.out}/")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -103,3 +104,102 @@ def test_the_procgen_grid_and_its_constants_cover_the_16_games():
     assert {f"{game}{mode}-v0" for game in constants for mode in ("Easy", "Hard")} <= set(envpool.list_all_envs())
     for easy, hard in constants.values():
         assert easy[0] < easy[1] and hard[0] < hard[1]
+
+
+def make_real_run(root, name, returns, seed=1, exp_name="cleanba_ppo", **flags):
+    """A run directory as cleanba_ppo.py writes it (every flag in config.json, the layout with the global env count),
+    its name given (as --run-name gives it), with these episodic returns."""
+    defaults = load_module(os.path.join(REPO, "cleanba", "cleanba_ppo.py")).DEFAULTS
+    args = {**defaults, "exp_name": exp_name, "env_id": "CartPole-v1", "seed": seed, **flags}
+    num_envs = args["local_num_envs"] * args["num_actor_threads"] * len(args["actor_device_ids"])
+    run_dir = os.path.join(root, name)
+    os.makedirs(run_dir)
+    layout = dict(notation="a0-l0-d1", processes=1, actor_threads_per_device=args["num_actor_threads"])
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(dict(args=args, layout=dict(layout, num_envs=num_envs), script="cleanba_ppo.py"), f)
+    writer = SummaryWriter(run_dir)
+    for step, value in enumerate(returns):
+        writer.add_scalar("charts/episodic_return", value, (step + 1) * 1000)
+    writer.close()
+    return run_dir
+
+
+def games(out) -> list[dict]:
+    with open(out / "games.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_runs_of_one_name_in_other_configurations_are_never_pooled(tmp_path):
+    """The quickstart's run (300k steps, 8 envs) and a launcher's run of the same exp name and seed (32k steps, 128
+    envs): two rows, each named by the flags that differ, one seed each; never one row of 2 seeds. The second is
+    named by --run-name: the configuration comes from config.json, not from the run name's hash."""
+    runs = tmp_path / "runs"
+    quickstart = dict(total_timesteps=300_000, local_num_envs=4, num_actor_threads=2)
+    make_real_run(runs, "CartPole-v1__cleanba_ppo__1__0a1b2c3d", [500.0], **quickstart)
+    make_real_run(runs, "launcher", [20.0], total_timesteps=32_000, local_num_envs=64, num_actor_threads=2)
+    result = aggregate(runs, tmp_path / "results", "--no-profiles")
+    assert result.returncode == 0, result.stderr
+    rows = {row["method"]: row for row in games(tmp_path / "results")}
+    assert set(rows) == {
+        "cleanba_ppo [total_timesteps=300000, num_envs=8]",
+        "cleanba_ppo [total_timesteps=32000, num_envs=128]",
+    }, result.stdout
+    assert [rows[method]["seeds"] for method in sorted(rows)] == ["1", "1"]
+    assert rows["cleanba_ppo [total_timesteps=300000, num_envs=8]"]["final score (mean ± std)"] == "500.0 ± 0.0"
+    with open(tmp_path / "results" / "scores.csv") as f:
+        assert {row["method"] for row in csv.DictReader(f)} == set(rows)
+
+
+def test_another_layout_of_one_configuration_is_one_configuration(tmp_path):
+    """The global env count is the algorithm's, its split over threads the layout's; Runtime flags (logging,
+    checkpoints) are nobody's configuration; a flag a run's config.json predates counts at its default."""
+    runs = tmp_path / "runs"
+    make_real_run(runs, "a", [100.0], seed=1, local_num_envs=8, num_actor_threads=1, log_frequency=1)
+    make_real_run(runs, "b", [200.0], seed=2, local_num_envs=4, num_actor_threads=2, checkpoint_interval=5)
+    with open(runs / "b" / "config.json") as f:
+        config = json.load(f)
+    del config["args"]["layout_free_group_size"]  # written before the flag existed: its default, 0
+    with open(runs / "b" / "config.json", "w") as f:
+        json.dump(config, f)
+    result = aggregate(runs, tmp_path / "results", "--no-profiles")
+    assert result.returncode == 0, result.stderr
+    (row,) = games(tmp_path / "results")
+    assert (row["method"], row["seeds"], row["final score (mean ± std)"]) == ("cleanba_ppo", "2", "150.0 ± 50.0")
+
+
+def test_one_seed_run_twice_counts_once_and_is_named(tmp_path):
+    """The same configuration and seed in two run directories (a rerun under --run-name): one seed, its runs'
+    scores averaged, and stderr names both runs."""
+    runs = tmp_path / "runs"
+    first = make_real_run(runs, "CartPole-v1__cleanba_ppo__1__5e1f9a2b", [100.0])
+    again = make_real_run(runs, "rerun", [200.0])
+    make_real_run(runs, "seed2", [400.0], seed=2)
+    result = aggregate(runs, tmp_path / "results", "--no-profiles")
+    assert result.returncode == 0, result.stderr
+    (row,) = games(tmp_path / "results")
+    assert row["seeds"] == "2" and row["final score (mean ± std)"] == "275.0 ± 125.0"  # seed 1: 150; seed 2: 400
+    (line,) = [line for line in result.stderr.splitlines() if "seed 1" in line]
+    assert "2 runs" in line and first in line and again in line
+
+
+def test_runs_left_out_are_named_with_why(tmp_path):
+    """Each run not in the tables is named on stderr, one line each, with the reason; the others are reported."""
+    runs = tmp_path / "runs"
+    make_real_run(runs, "finished", [100.0])
+    no_episodes = make_real_run(runs, "no-episode-yet", [])
+    broken = runs / "broken-config"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"args": {"exp_name"')
+    no_events = runs / "no-events"
+    no_events.mkdir()
+    shutil.copy(runs / "finished" / "config.json", no_events)
+    result = aggregate(runs, tmp_path / "results", "--no-profiles")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("left out: ")]
+    assert len(lines) == 3, result.stderr
+    reasons = {line.split(": ")[1]: line for line in lines}
+    assert "no finished episode" in reasons[no_episodes]
+    assert "unreadable config.json" in reasons[str(broken)]
+    assert "no event file" in reasons[str(no_events)]
+    (row,) = games(tmp_path / "results")
+    assert row["seeds"] == "1"
