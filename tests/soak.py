@@ -1,7 +1,7 @@
 """A chaos soak: a 2-process --distributed run is hit again and again by faults from a seeded random schedule and run
 again after each (as a SLURM requeue would, or a user), until it finishes; then what it wrote is checked.
 
-    .venv/bin/python tests/soak.py --algo ppo --faults 40 --seed 1 --dir /tmp/soak --out docs/results/soak
+    .venv/bin/python tests/soak.py --algo ppo --faults 60 --seed 1 --dir /tmp/soak --out docs/results/soak
     .venv/bin/python tests/soak.py --slurm ...   # the run as a SLURM job, on a one-node cluster started here
 
 Locally, each attempt's 2 processes start here, each in a session of its own. With --slurm the run is what users
@@ -9,26 +9,50 @@ submit: cleanba/launch.py --slurm's batch job, 2 tasks under srun (tests/soak_ta
 attempt's fault on process 0, and keeps its output); the template requeues it after a preemption (143) and a lost
 process (75, 137; 3 restarts at most), the soak lets the requeued job start at once (SLURM holds it back two
 minutes), and submits the job again once the template gives up (after Ctrl-C, or the 3 restarts), as a user would.
-A preemption is scancel --signal=TERM to the job's steps, as SLURM's own; the checks are the same, plus the job's
-requeue where the template says.
+srun's status is the highest of its tasks': when process 0 fails (1, 74, 137) the other exits 75, so the job is
+requeued as for a lost process. A preemption is scancel --signal=TERM to the job's steps, as SLURM's own; the checks
+are the same, plus the job's requeue where the template says.
 
-The faults (each at a random moment: after 1 to 2 checkpoint intervals of new updates, or at a checkpoint):
-    preempt             SIGTERM to every process of the job (SLURM's preemption)
-    interrupt           SIGINT to every process (Ctrl-C)
+The faults. Each of those that end an attempt lands at a random moment (after 1 to 2 checkpoint intervals of new
+updates, or at a checkpoint); process 0 exits as the fault says, the other process as for a lost process (75, in one
+line naming process 0 and the last checkpoint) unless a stop signal reached it too:
+    preempt             SIGTERM to every process of the job (SLURM's preemption): 143 each, a checkpoint written
+    interrupt           SIGINT to every process (Ctrl-C): 130 each, a checkpoint written
     lose-process        SIGKILL to one process and its supervisor (a lost node)
     kill-in-checkpoint  process 0 dies while it writes a checkpoint (tests/with_fault.py's checkpoint@K, between the
-                        write and the rename), then SIGKILL to every other process
+                        write and the rename: 137), then SIGKILL to every other process
     failed-write        process 0 runs under a file-size limit smaller than a checkpoint: its next checkpoint fails
-    corrupt-cut         between two attempts, the newest checkpoint is cut short (when an intact one is behind it)
-    corrupt-flip        between two attempts, one bit of the newest checkpoint is flipped (likewise)
+                        (74, one line)
+    torn-journal        process 0 dies half-way through writing an update's record to updates.jsonl (torn@K: 137)
+    full-journal        the disk fills while process 0 writes an update's record, half of it written (journal@K: 74,
+                        one line naming updates.jsonl)
+    full-events         the disk fills under TensorBoard's event file once an update is logged (events@K: 74, one line
+                        naming the event files, at that update or at the next points logged)
+    non-finite          the optimiser's state becomes infinite in an update (inf@K: 1, one line naming the update,
+                        what is non-finite and the last good checkpoint)
+between two attempts:
+    corrupt-cut         the newest checkpoint is cut short (when an intact one is behind it)
+    corrupt-flip        one bit of the newest checkpoint is flipped (likewise)
+and during an attempt, which goes on:
+    second-copy         the same command started again (2 processes, here, as a user would beside the job) once the
+                        attempt owns the run directory, in an attempt that a stop signal or a lost process ends
+                        afterwards: each of its processes is refused in one line (process 0's naming the attempt's
+                        process 0, the other's "its process 0 was refused"), exit status 73, and prints nothing else;
+                        the run directory keeps its files as they were (the lock, config.json; no event file of its own)
+                        and updates.jsonl every record it held; the attempt's processes all run on.
 
-The checks, after the run has finished:
+The checks, after each attempt and once the run has finished:
     - each attempt's processes ended with the documented exit status and, on stderr, at most the documented line;
-      no process of an attempt is left; nothing is written outside the run directory;
-    - each attempt resumed from the newest intact checkpoint (a corrupt one named in one line);
+      no process of an attempt (or of a second copy) is left; nothing is written outside the run directory;
+    - each attempt resumed from the newest intact checkpoint (a corrupt one named in one line), and healed
+      updates.jsonl to what that checkpoint covers: the records after it (a torn one included) dropped in one line
+      that counts them, none missing; a torn or full journal leaves a line cut short;
+    - a non-finite state is never checkpointed: every intact checkpoint holds finite numbers, the newest is the one the
+      line names, and the update that went non-finite is not in updates.jsonl;
     - updates.jsonl holds every update from 1 to the last once, in order; TensorBoard each logged step once;
-    - the updates lost to each fault are at most what the checkpoint policy allows: none to a stop signal, one
-      --checkpoint-interval to a lost process or a failed write, two to a corrupt checkpoint;
+    - the updates lost to each fault are at most what the checkpoint policy allows: none to a stop signal or a second
+      copy, one --checkpoint-interval to a lost process, a process that died or failed (kill, torn or full journal,
+      full event file, failed checkpoint, non-finite state), and one more with a corrupt checkpoint after it;
     - updates.jsonl equals, bit for bit, that of a replay: the same command stopped cleanly (SIGTERM once the update is
       logged) after each update the chaotic run resumed from, and run again (EnvPool cannot save its environments, so a
       run that was never interrupted would differ).
@@ -51,6 +75,7 @@ import time
 from typing import NamedTuple
 
 import flax.serialization
+import flax.traverse_util
 import numpy as np
 from helpers import REPO, SCRIPTS, free_port, lingering_processes, read_scalars
 from slurm_cluster import slurm_cluster
@@ -58,14 +83,27 @@ from soak_task import with_file_size_limit
 
 # TensorBoard's reader warns of each purge a resume made: expected here, where every attempt's resume purges.
 logging.getLogger("tensorboard").setLevel(logging.ERROR)
-PROCESS_FAULTS = ["preempt", "interrupt", "lose-process", "kill-in-checkpoint", "failed-write"]
-CHECKPOINT_FAULTS = ["corrupt-cut", "corrupt-flip"]
-FAULTS = PROCESS_FAULTS + CHECKPOINT_FAULTS
+# Faults that end an attempt: the soak's signals, then tests/with_fault.py's on process 0 (and a file-size limit).
+SIGNAL_FAULTS = ["preempt", "interrupt", "lose-process"]
+PROCESS_FAULTS = [*SIGNAL_FAULTS, "kill-in-checkpoint", "failed-write"]
+PROCESS_FAULTS += ["torn-journal", "full-journal", "full-events", "non-finite"]
+CHECKPOINT_FAULTS = ["corrupt-cut", "corrupt-flip"]  # between two attempts
+SECOND_COPY = "second-copy"  # during an attempt, which goes on
+FAULTS = PROCESS_FAULTS + CHECKPOINT_FAULTS + [SECOND_COPY]
+WITH_FAULT = {"kill-in-checkpoint": "checkpoint", "torn-journal": "torn", "full-journal": "journal"}
+WITH_FAULT.update({"full-events": "events", "non-finite": "inf"})  # tests/with_fault.py's names
 # Exit statuses (the Failures guide and its exit statuses table).
 STOPPED = {"preempt": 128 + signal.SIGTERM, "interrupt": 128 + signal.SIGINT}
 LOST_PROCESS = 75  # cleanba/supervise.py: another process of the run was lost
-CHECKPOINT_NOT_WRITTEN = 74  # a checkpoint could not be written
-KILLED_IN_CHECKPOINT = 137  # tests/with_fault.py's checkpoint@K: the process exits as SIGKILL would leave it
+WRITE_FAILED = 74  # a checkpoint, updates.jsonl or an event file could not be written
+KILLED = 137  # tests/with_fault.py's checkpoint@K and torn@K: the process exits as SIGKILL would leave it
+FAILED = 1  # a non-finite state
+IN_USE = 73  # another copy of the command owns the run directory
+# The soak's (SLURM: srun's) status of each process fault but a stop signal: that of a process lost to the others,
+# 75 or 137 (srun reports the highest of its tasks'), which the template requeues, 3 times at most.
+ENDS_AS_LOST = ["lose-process", "kill-in-checkpoint", "failed-write", "torn-journal", "full-journal", "full-events"]
+ENDS_AS_LOST += ["non-finite"]
+COPY_UPDATES = 10  # updates an attempt may log while a second copy starts and is refused (the run is made longer)
 PROCESSES = 2
 ENVS = 4  # per process
 STEPS = 32
@@ -82,6 +120,7 @@ class Attempt(NamedTuple):
     resumed_from: int  # the update its checkpoint follows (0: a fresh start)
     reached: int  # the last update in updates.jsonl when it ended
     seconds: float
+    copied: bool = False  # a second copy of the command was started (and refused) while it ran
 
 
 def checkpoint_paths(run_dir: str) -> list[str]:  # the newest first (--keep-checkpoints 2, the default)
@@ -105,6 +144,13 @@ def newest_intact(run_dir: str) -> int:
         if (update := intact_update(path)) is not None:
             return update
     return 0
+
+
+def lines_in(path: str) -> int:  # as the scripts count them (the last one maybe cut short)
+    if not os.path.exists(path):
+        return 0
+    with open(path, errors="replace") as f:
+        return len(f.readlines())
 
 
 def updates_logged(run_dir: str) -> list[int]:
@@ -175,6 +221,11 @@ class Processes:
 
     def kill(self, rank: int):  # the process and its supervisor: a lost node
         os.killpg(self.procs[rank].pid, signal.SIGKILL)
+
+    def holds(self, pid: int) -> bool:  # `pid` is a process of this attempt's process 0 (its session)
+        with contextlib.suppress(ProcessLookupError):
+            return os.getsid(pid) == self.procs[0].pid
+        return False
 
     def wait_for_rank_0(self):
         self.procs[0].wait(timeout=ATTEMPT_TIMEOUT)
@@ -260,6 +311,9 @@ class SlurmAttempt:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+    def holds(self, pid: int) -> bool:  # `pid` is a process of this attempt's process 0 (its task)
+        return pid in self.pids(0)
+
     def wait_for_rank_0(self):
         deadline = time.time() + ATTEMPT_TIMEOUT
         while self.status(0) is None:
@@ -333,9 +387,7 @@ class SlurmJob:
 
     def settle(self, fault: str | None, where: str):
         """After an attempt: the job is requeued (pending) or over, as the template says for the fault's status."""
-        requeued = fault == "preempt" or (
-            fault in ("lose-process", "kill-in-checkpoint", "failed-write") and self.restarts < 3
-        )
+        requeued = fault == "preempt" or (fault in ENDS_AS_LOST and self.restarts < 3)
         deadline = time.time() + 60
         while (state := self.state()) not in (self.FINAL | {"", "PENDING"}):
             assert time.time() < deadline, f"{where}: the job is {state}"
@@ -356,6 +408,15 @@ def wait_for_update(processes: "Processes | SlurmAttempt", run_dir: str, update:
             return
         time.sleep(0.02)
     raise AssertionError(f"{processes.log_prefix}: update {update} not reached in {timeout} s")
+
+
+def wait_for_started(processes: "Processes | SlurmAttempt", timeout: float = ATTEMPT_TIMEOUT):
+    """Blocks until process 0 has printed its run line: it owns the run directory (or a process exited: it fails)."""
+    deadline = time.time() + timeout
+    while not processes.started():
+        assert not processes.ended(), f"{processes.log_prefix}: a process exited before the run started"
+        assert time.time() < deadline, f"{processes.log_prefix}: the run did not start in {timeout} s"
+        time.sleep(0.02)
 
 
 def corrupt(path: str, how: str, rng: np.random.Generator):
@@ -391,6 +452,32 @@ def check_lost_line(processes: "Processes | SlurmAttempt", survivor: int, lost: 
     assert named == newest or (survivor and named < newest == reached), f"{where}: names checkpoint {named}"
 
 
+def stderr_of(processes: "Processes | SlurmAttempt", rank: int) -> list[str]:
+    """What a process printed on stderr, aside from tests/with_fault.py's announcement of its fault and the progress
+    lines that cleanba/supervise.py reads (with_fault.py runs the script without it)."""
+    return [line for line in processes.stderr[rank] if not line.startswith(("CLEANBA_FAULT: ", "cleanba-progress "))]
+
+
+def torn(run_dir: str) -> bool:  # updates.jsonl ends in a line cut short
+    with open(os.path.join(run_dir, "updates.jsonl"), "rb") as f:
+        return not f.read().endswith(b"\n")
+
+
+def finite_checkpoints(run_dir: str) -> bool:  # every intact checkpoint holds finite numbers only
+    for path in checkpoint_paths(run_dir):
+        if intact_update(path) is None:
+            continue
+        with open(path, "rb") as f:
+            state = flax.serialization.msgpack_restore(f.read().partition(b"\n")[2])["state"]
+        leaves = flax.traverse_util.flatten_dict(state, sep="/").values()
+        if not all(np.all(np.isfinite(leaf)) for leaf in leaves if np.issubdtype(np.asarray(leaf).dtype, np.number)):
+            return False
+    return True
+
+
+KEPT = "the checkpoints written before are intact: run the same command to resume"
+
+
 def check_ending(fault, codes, processes: "Processes | SlurmAttempt", run_dir: str, name: str, at: int):
     """The exit statuses and lines the Failures guide documents for `fault`."""
     where = processes.log_prefix
@@ -408,19 +495,97 @@ def check_ending(fault, codes, processes: "Processes | SlurmAttempt", run_dir: s
         check_lost_line(processes, survivor, at, run_dir, name)
     elif fault == "kill-in-checkpoint":
         # Process 0 died before the rename; the others were killed by the soak (or found process 0 lost first).
-        assert codes[0] == KILLED_IN_CHECKPOINT and all(c in (-signal.SIGKILL, LOST_PROCESS) for c in codes[1:]), codes
+        assert codes[0] == KILLED and all(c in (-signal.SIGKILL, LOST_PROCESS) for c in codes[1:]), codes
         assert os.path.exists(checkpoint_paths(run_dir)[0] + ".tmp"), f"{where}: no interrupted write"
         assert newest_intact(run_dir) < at, f"{where}: the checkpoint of update {at} was renamed into place"
     elif fault == "failed-write":
-        assert codes == [CHECKPOINT_NOT_WRITTEN, LOST_PROCESS], f"{where}: exit statuses {codes}"
+        assert codes == [WRITE_FAILED, LOST_PROCESS], f"{where}: exit statuses {codes}"
         pattern = rf"error: writing runs/{name}/checkpoint\.msgpack\.tmp after update {at} failed \(\[Errno 27\] File "
-        pattern += r"too large\); the checkpoints written before are intact: run the same command to resume"
+        pattern += rf"too large\); {KEPT}"
         one_line(processes.stderr[0], pattern, f"{where}, process 0")
+        check_lost_line(processes, 1, 0, run_dir, name)
+    elif fault == "torn-journal":  # process 0 died half-way through update `at`'s record: a lost process to the other
+        assert codes == [KILLED, LOST_PROCESS], f"{where}: exit statuses {codes}"
+        assert not stderr_of(processes, 0), f"{where}: process 0's stderr: {processes.stderr[0][-5:]}"
+        last = (updates_logged(run_dir) or [0])[-1]
+        assert torn(run_dir) and last == at - 1, f"{where}: no torn record of update {at}"
+        check_lost_line(processes, 1, 0, run_dir, name)
+    elif fault in ("full-journal", "full-events"):  # the disk filled under updates.jsonl or an event file
+        assert codes == [WRITE_FAILED, LOST_PROCESS], f"{where}: exit statuses {codes}"
+        file = "updates\\.jsonl" if fault == "full-journal" else "events\\.out\\.tfevents\\.\\*"
+        pattern = rf"error: writing runs/{name}/{file} after update (\d+) failed \(\[Errno 28\] No space left on "
+        pattern += rf"device\); {KEPT}"
+        failed = int(one_line(stderr_of(processes, 0), pattern, f"{where}, process 0").group(1))
+        if fault == "full-journal":  # half of the record written
+            assert failed == at and torn(run_dir), f"{where}: update {failed}'s record, torn: {torn(run_dir)}"
+        else:  # the writer thread fails at the next points it writes: update `at`'s, or the next logged ones
+            assert at <= failed <= at + LOG_FREQUENCY, f"{where}: failed after update {failed}, not {at} or soon after"
+        assert newest_intact(run_dir) < (at if fault == "full-journal" else failed + 1), f"{where}: a checkpoint after"
+        check_lost_line(processes, 1, 0, run_dir, name)
+    elif fault == "non-finite":  # update `at` made the optimiser's state infinite: the run stops before it is kept
+        assert codes == [FAILED, LOST_PROCESS], f"{where}: exit statuses {codes}"
+        pattern = rf"error: non-finite values after update {at}: opt_state/.+; the last good checkpoint is the one "
+        pattern += r"after update (\d+)"
+        good = int(one_line(stderr_of(processes, 0), pattern, f"{where}, process 0").group(1))
+        assert good == newest_intact(run_dir) < at, f"{where}: the last good checkpoint named is {good}"
+        assert finite_checkpoints(run_dir), f"{where}: a checkpoint holds non-finite values"
+        assert (updates_logged(run_dir) or [0])[-1] == at - 1, f"{where}: update {at} was logged"
         check_lost_line(processes, 1, 0, run_dir, name)
     else:
         assert codes == [0] * PROCESSES, f"{where}: exit statuses {codes}"
         for rank in range(PROCESSES):
             assert not processes.stderr[rank], f"{where}: process {rank}'s stderr: {processes.stderr[rank][-5:]}"
+
+
+def check_second_copy(processes: "Processes | SlurmAttempt", work: str, algo: str, flags: list[str], name: str):
+    """A second copy of the command, started while the attempt runs (a double submit, or a user's): refused in one
+    line per process, exit status 73, nothing written; the attempt goes on. Returns the updates it lost (none)."""
+    run_dir = os.path.join(work, "runs", name)
+    with open(os.path.join(run_dir, "lock")) as f:
+        holder = f.read().strip()
+    pid = int(re.fullmatch(r"pid (\d+) on \S+", holder).group(1))
+    assert processes.holds(pid), f"{processes.log_prefix}: the lock names {holder}, not the attempt's process 0"
+
+    def files():  # what the run directory holds, the attempt's checkpoints and logs aside (each event file's size)
+        found = {}
+        for entry in sorted(os.listdir(run_dir)):
+            path = os.path.join(run_dir, entry)
+            if entry.startswith("events."):
+                found[entry] = os.path.getsize(path)
+            elif not re.fullmatch(r"checkpoint(\.1)?\.msgpack(\.tmp)?|updates\.jsonl", entry):
+                with open(path, "rb") as f:
+                    found[entry] = f.read()
+        return found
+
+    before, logged = files(), updates_logged(run_dir)
+    copy = Processes(work, algo, flags, f"{processes.log_prefix}-second-copy")
+    codes = copy.wait(ATTEMPT_TIMEOUT)
+    where = f"{processes.log_prefix}-second-copy"
+    assert codes == [IN_USE] * PROCESSES, f"{where}: exit statuses {codes}"
+    ways_out = "wait for it to end or stop it; another --run-name starts another run"
+    for rank, who in enumerate([re.escape(holder), r"its process 0 was refused"]):
+        pattern = rf"error: runs/{name} is in use by another copy of this command \({who}\): {ways_out}"
+        one_line(copy.stderr[rank], pattern, f"{where}, process {rank}")
+        printed = [line for line in copy.stdout[rank] if not line.startswith("[Gloo] ")]  # gloo's: it connected
+        assert not printed, f"{where}: process {rank}'s stdout: {printed[-5:]}"
+    assert not processes.ended(), f"{processes.log_prefix}: the attempt ended beside the second copy"
+    after = files()  # the same files (the attempt's event file grown, maybe), the lock and config.json unchanged
+    assert after.keys() == before.keys(), f"{where}: the run directory held {sorted(before)}, now {sorted(after)}"
+    for entry, was in before.items():
+        assert after[entry] >= was if entry.startswith("events.") else after[entry] == was, f"{where}: {entry} changed"
+    return len(set(logged) - set(updates_logged(run_dir)))
+
+
+def check_journal_healed(processes: "Processes | SlurmAttempt", name: str, lines: int, start: int):
+    """The resume kept updates.jsonl's records up to its checkpoint's update and dropped the rest (records of updates
+    it redoes, a torn line) in one line; none is missing."""
+    stdout = "".join(processes.stdout[0])
+    where = processes.log_prefix
+    line = rf"^runs/{name}/updates\.jsonl: dropped (\d+) of (\d+) lines \(after update (\d+), repeated or cut short\)$"
+    dropped = re.findall(line, stdout, re.M)
+    expected = [(str(lines - start), str(lines), str(start))] if lines > start else []
+    assert dropped == expected, f"{where}: journal healed as {dropped}, not {expected}"
+    assert "updates.jsonl has no record" not in stdout, f"{where}: updates.jsonl lost records"
 
 
 def run_name(algo: str, seed: int) -> str:
@@ -442,6 +607,9 @@ def attempt_fault(kind: str, start: int, interval: int, run_dir: str, updates: i
     if kind == "kill-in-checkpoint":
         at = due + interval * int(rng.integers(0, 2))
         return at, dict(rank_0_fault=f"checkpoint@{at}")
+    if kind in WITH_FAULT:  # at an update after 1 to 2 intervals' worth, on process 0
+        at = start + int(rng.integers(1, 2 * interval + 1))
+        return at, dict(rank_0_fault=f"{WITH_FAULT[kind]}@{at}")
     if kind == "failed-write":  # a limit just below a checkpoint's size, above what the logs reach
         limit = checkpoint_size(run_dir) - 1
         logged = os.path.getsize(os.path.join(run_dir, "updates.jsonl"))
@@ -461,19 +629,29 @@ def can_corrupt(run_dir: str) -> bool:  # the newest and the one behind it intac
     return all(intact_update(path) is not None for path in checkpoint_paths(run_dir))
 
 
-def next_faults(rng, run_dir: str, remaining: int, schedule: list[str] | None) -> tuple[str | None, str | None]:
-    """(A checkpoint fault to apply before the next attempt, or None; the attempt's process fault, or None: it runs
-    to the end), from the schedule in order, else drawn among those that can happen now."""
+def next_faults(rng, run_dir: str, remaining: int, copies: int, schedule: list[str] | None) -> tuple:
+    """(A checkpoint fault to apply before the next attempt, or None; whether a second copy of the command starts
+    while it runs; the attempt's process fault, or None: it runs to the end), from the schedule in order (a second copy
+    before a fault the soak itself lands: a stop signal or a lost process), else drawn among those that can happen
+    now, with at most `copies` second copies."""
     if schedule is not None:
         corruption = schedule.pop(0) if schedule and schedule[0] in CHECKPOINT_FAULTS else None
         assert corruption is None or can_corrupt(run_dir), f"{corruption} without two intact checkpoints"
-        return corruption, schedule.pop(0) if schedule else None
+        copy = bool(schedule) and schedule[0] == SECOND_COPY and bool(schedule.pop(0))
+        kind = schedule.pop(0) if schedule else None
+        assert not copy or kind in SIGNAL_FAULTS, f"a second copy before {kind}, not one of {SIGNAL_FAULTS}"
+        return corruption, copy, kind
     corruption = None
     if remaining and can_corrupt(run_dir) and rng.random() < len(CHECKPOINT_FAULTS) / len(FAULTS):
         corruption = str(rng.choice(CHECKPOINT_FAULTS))
         remaining -= 1
+    if not remaining:
+        return corruption, False, None
     possible = [kind for kind in PROCESS_FAULTS if kind != "failed-write" or checkpoint_size(run_dir)]
-    return corruption, str(rng.choice(possible)) if remaining else None
+    kind = str(rng.choice(possible))
+    # A second copy in about a tenth of the faults: in 40% of the attempts a stop signal or lost process ends.
+    copy = kind in SIGNAL_FAULTS and remaining >= 2 and copies > 0 and rng.random() < 0.4
+    return corruption, copy, kind
 
 
 def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] | None = None, slurm=None) -> dict:
@@ -485,7 +663,9 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     interval = 2
     # Enough for every fault to land before the end: each lands within two intervals of where its attempt starts, and
     # an attempt moves the start ~2 updates on (a fault that lands later fails the soak, in a line that says so).
-    updates = 3 * (faults + 3)
+    # A second copy takes seconds to start and be refused, while the attempt goes on: COPY_UPDATES more for each.
+    copies = schedule.count(SECOND_COPY) if schedule else faults // 10
+    updates = 3 * (faults + 3) + COPY_UPDATES * copies
     work = os.path.join(directory, "work")
     logs = os.path.join(directory, "logs")
     os.makedirs(work, exist_ok=True)
@@ -500,11 +680,13 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     schedule = list(schedule) if schedule else None
     job = SlurmJob(slurm, work, directory, algo, flags, seed) if slurm else None
     while True:
-        done = sum(bool(a.fault) + bool(a.corrupted) for a in attempts)
-        corrupted, kind = next_faults(rng, run_dir, faults - done, schedule)
+        done = sum(bool(a.fault) + bool(a.corrupted) + a.copied for a in attempts)
+        copies_left = copies - sum(a.copied for a in attempts)
+        corrupted, copied, kind = next_faults(rng, run_dir, faults - done, copies_left, schedule)
         if corrupted:
             corrupt(checkpoint_paths(run_dir)[0], corrupted, rng)
         start = newest_intact(run_dir)
+        journal_lines = lines_in(os.path.join(run_dir, "updates.jsonl"))  # what the resume heals
         at, options = attempt_fault(kind, start, interval, run_dir, updates, rng) if kind else (None, {})
         if kind and at >= updates:
             raise AssertionError(f"the run ends before its {len(attempts) + 1}th fault ({kind})")
@@ -512,7 +694,13 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
         begun = time.time()
         processes = job.start(prefix, **options) if job else Processes(work, algo, flags, prefix, **options)
         victim = None
-        if kind in ("preempt", "interrupt", "lose-process"):
+        if copied:  # once the attempt owns the run directory; its fault lands after the copy was refused
+            wait_for_started(processes)
+            lost.append((SECOND_COPY, None, check_second_copy(processes, work, algo, flags, name), 0))
+            at = max(at, (updates_logged(run_dir) or [start])[-1] + 1)
+            if at >= updates:
+                raise AssertionError(f"the run ends before its {len(attempts) + 1}th attempt's fault ({kind})")
+        if kind in SIGNAL_FAULTS:
             wait_for_update(processes, run_dir, at)
             time.sleep(float(rng.uniform(0, 0.2)))  # somewhere inside the next update
             if kind == "lose-process":
@@ -532,6 +720,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
         if corrupted:
             passed_over = f"runs/{name}/checkpoint.msgpack is cut short or changed"
             assert "".join(processes.stdout[0]).count(passed_over) == 1, f"{prefix}: the passed-over line is missing"
+        check_journal_healed(processes, name, journal_lines, start)
         if attempts:
             previous = attempts[-1]
             bound = {"preempt": 0, "interrupt": 0}.get(previous.fault, interval) + (interval if corrupted else 0)
@@ -539,7 +728,8 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
             assert previous.reached - resumed_from <= bound, f"{prefix}: {lost[-1]}"
         check_ending(kind, codes, processes, run_dir, name, victim if kind == "lose-process" else at)
         logged = updates_logged(run_dir)
-        attempts.append(Attempt(kind, corrupted, resumed_from, logged[-1] if logged else 0, time.time() - begun))
+        reached = logged[-1] if logged else 0
+        attempts.append(Attempt(kind, corrupted, resumed_from, reached, time.time() - begun, copied))
         if kind is None:
             break
     chaotic_seconds = time.time() - started
@@ -547,6 +737,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     assert sorted(os.listdir(work)) == ["runs"] and os.listdir(os.path.join(work, "runs")) == [name], os.listdir(work)
     replay_seconds = replay(algo, directory, flags, name, [a.resumed_from for a in attempts], run_dir)
     kinds = [a.fault for a in attempts if a.fault] + [a.corrupted for a in attempts if a.corrupted]
+    kinds += [SECOND_COPY for a in attempts if a.copied]
     return dict(
         algo=algo,
         launcher="SLURM (cleanba/launch.py --slurm)" if job else "local",
@@ -558,6 +749,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
         attempts=len(attempts),
         faults=len(kinds),
         faults_by_kind={kind: kinds.count(kind) for kind in FAULTS if kind in kinds},
+        fault_kinds=FAULTS,  # the soak's kinds (a soak of other kinds is not merged with this one's figures)
         lost_updates=[dict(fault=f, corrupted=c, lost=n, bound=b) for f, c, n, b in lost],
         resumed_from=[a.resumed_from for a in attempts],
         chaotic_seconds=round(chaotic_seconds, 1),
@@ -634,11 +826,12 @@ def markdown(results: list[dict]) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algo", nargs="+", default=["impala", "ppo"], choices=["ppo", "impala", "pqn"])
-    parser.add_argument("--faults", type=int, default=40, help="faults per script, drawn from the kinds above")
+    parser.add_argument("--algo", nargs="+", default=["impala", "ppo", "pqn"], choices=["ppo", "impala", "pqn"])
+    parser.add_argument("--faults", type=int, default=60, help="faults per script, drawn from the kinds above")
     parser.add_argument("--seed", type=int, default=1, help="the schedule's seed and the run's")
     parser.add_argument("--dir", required=True, help="where the runs and each attempt's output go")
-    parser.add_argument("--out", default=None, help="write soak.json and soak.md here (--slurm: soak_slurm.*)")
+    out = "write soak.json and soak.md here (--slurm: soak_slurm.*), with the other scripts' figures there"
+    parser.add_argument("--out", default=None, help=out)
     parser.add_argument("--slurm", action="store_true", help="run the job on a one-node SLURM cluster started here")
     parser.add_argument("--schedule", nargs="+", choices=FAULTS, default=None, help="these faults in order instead")
     args = parser.parse_args()
@@ -650,9 +843,12 @@ def main():
             print(json.dumps(result), flush=True)
             results.append(result)
     print(markdown(results))
-    if args.out:
+    if args.out:  # with the figures there of the other scripts, from a soak of the same kinds
         os.makedirs(args.out, exist_ok=True)
         name = "soak_slurm" if args.slurm else "soak"
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(args.out, f"{name}.json")) as f:
+            results += [r for r in json.load(f) if r.get("fault_kinds") == FAULTS and r["algo"] not in args.algo]
+        results.sort(key=lambda r: ["impala", "ppo", "pqn"].index(r["algo"]))
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(results, f, indent=2)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
