@@ -191,8 +191,8 @@ def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
     """Both follow their version contract. From update 2 on, the Cleanba actor's policy is one version
     older, so the learner sees other behaviour log-probabilities and its losses differ at every update.
     Both actors sample with the same per-(env, step) keys, so while the two policies are still close
-    they can pick the same actions; once the trajectories part they stay apart. compare_runs.py reports
-    the difference and exits 1."""
+    they can pick the same actions; once the trajectories part they stay apart. compare_runs.py, told
+    --different-configs (the two differ by --concurrency), reports the difference and exits 1."""
     records_cleanba, records_sync = cleanba_run.records, sync_run.records
     assert [r["data_version"] for r in records_cleanba] == [1] + list(range(1, 12))
     assert [r["data_version"] for r in records_sync] == list(range(1, 13))
@@ -204,8 +204,9 @@ def test_cleanba_architecture_vs_synchronous(sync_run, cleanba_run):
     first_difference = same_batches.index(False)
     assert not any(same_batches[first_difference:]), same_batches
 
-    result = compare_runs(cleanba_run.path, sync_run.path)
+    result = compare_runs(cleanba_run.path, sync_run.path, "--different-configs")
     assert result.returncode == 1 and "first differ at update" in result.stdout, result.stdout
+    assert "different configurations: concurrency True vs False" in result.stdout
 
 
 @pytest.mark.slow
