@@ -729,7 +729,9 @@ def main(args: Args):
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
     state, start_update = resume(cfg, state, checkpoint, run_name)
     if start_update == cfg.num_updates:
-        print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to do ({RESUME_WAYS_OUT})")
+        print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to train ({RESUME_WAYS_OUT})")
+        if args.save_model and cfg.rank == 0:  # its model, if the first run could not write it
+            save_model(args, f"runs/{run_name}", state.params, start_update)
         return
     run_dir = RunDir(args, cfg, run_name, start_update, schedule, checkpoint, lock)
     update_fn = make_update(args, cfg, networks)
@@ -766,17 +768,10 @@ def main(args: Args):
 class ConfigError(ValueError):
     """Bad input: reported as one line and exit status 2, before anything is created."""
 
-    status = 2
-
-
-class RunDirInUse(ConfigError):
-    """Another copy of the command owns the run directory: one line, exit status 73 (EX_CANTCREAT), nothing written."""
-
-    status = 73
-
 
 DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
+RUN_DIR_IN_USE = 73  # EX_CANTCREAT (sysexits.h): another copy of the command owns the run directory
 WRITE_FAILED = 74  # EX_IOERR (sysexits.h): an input/output error
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")  # --capture-video's recorder
 
@@ -812,10 +807,9 @@ def check_args(args: Args):
         if not host or re.search(r"\s", host) or not port.isdigit() or not 0 < int(port) < 2**16:
             raise ConfigError(f"--coordinator-address {args.coordinator_address!r} must be host:port (port 1 to 65535)")
     for flag, name in [("--run-name", args.run_name), ("--exp-name", args.exp_name)]:  # a directory, the model's file
-        if name is not None and not (0 < len(name.encode()) <= 100 and name.isprintable() and "/" not in name):
-            raise ConfigError(f"{flag} {name!r} must be a plain name: 1 to 100 printable bytes, no '/'")
-        if name is not None and name.startswith("."):
-            raise ConfigError(f"{flag} {name!r} must not start with '.'")
+        plain = name is None or (0 < len(name.encode()) <= 100 and name.isprintable() and name[0] != ".")
+        if not plain or "/" in (name or ""):
+            raise ConfigError(f"{flag} {name!r} must be a plain name: 1 to 100 printable bytes, no '/' or leading '.'")
     if not (0 <= args.gamma <= 1 and 0 <= args.vtrace_lambda <= 1):
         raise ConfigError("--gamma and --vtrace-lambda must lie in [0, 1]")
     if args.env_id not in envpool.list_all_envs():
@@ -903,9 +897,7 @@ def derive_config(args: Args) -> Config:
     num_updates = args.total_timesteps // batch_size
     # JAX counts these in 32 bits: the optimiser's gradient steps, and each environment's steps (its actions' keys)
     if max(num_updates * args.num_minibatches, num_updates * args.num_steps) >= 2**31:
-        raise ConfigError(
-            f"--total-timesteps {args.total_timesteps}: {num_updates:,} updates overflow JAX's 32-bit step counts"
-        )
+        raise ConfigError(f"--total-timesteps {args.total_timesteps}: {num_updates:,} updates overflow JAX's int32")
     offset = jax.process_index() * envs_per_process
     rank = jax.process_index()
     return Config(world_size, rank, num_envs, batch_size, num_updates, offset, actors, learners, local_learners)
@@ -958,6 +950,8 @@ def own(run_dir: str, cfg: Config):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owned = False
+        except OSError as error:  # (Lustre without its flock mount option: ENOSYS)
+            raise ConfigError(f"--run-name {run_dir}: its filesystem cannot lock a file ({error})") from None
     if cfg.world_size > 1:  # a copy's processes all stop when its process 0 is refused
         owned = bool(multihost_utils.broadcast_one_to_all(np.int32(owned)))
     if not owned:
@@ -966,7 +960,8 @@ def own(run_dir: str, cfg: Config):
             lock.seek(0)
             holder = lock.read().strip() or "starting"
         ways_out = "wait for it to end or stop it; another --run-name starts another run"
-        raise RunDirInUse(f"{run_dir} is in use by another copy of this command ({holder}): {ways_out}")
+        print(f"error: {run_dir} is in use by another copy of this command ({holder}): {ways_out}", file=sys.stderr)
+        sys.exit(RUN_DIR_IN_USE)  # nothing written
     if lock:
         lock.truncate(0)
         lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
@@ -1014,8 +1009,7 @@ def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
 
 
 def non_finite(state: dict) -> str:
-    """The parts of a state dict (parameters, optimiser state) that hold NaN or infinite values, with how many: ''
-    if none."""
+    """The parts of a state dict that hold NaN or infinite values, with how many ('' if none)."""
     counts = []
     for name, x in flax.traverse_util.flatten_dict(state, sep="/").items():
         if bad := np.size(x) - np.count_nonzero(np.isfinite(x)):
@@ -1161,13 +1155,13 @@ def batch_fingerprint(batch, env_ids):
 
 
 def checked(update):
-    """The update, and whether the state it returns (parameters, optimiser state) is finite: one reduction more in
-    its program, where the check costs nothing but the flag's copy to the host with the losses."""
+    """The update, and whether the state it returns (parameters, optimiser state) is finite: one reduction more."""
 
     def update_and_check(*inputs):
         state, *results = update(*inputs)
         leaves = jax.tree.leaves((state.params, state.opt_state))
-        return state, *results, jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+        return state, *results, jax.lax.pmin(finite.astype(jnp.int32), "devices")  # every process stops, or none
 
     return update_and_check
 
@@ -1253,12 +1247,11 @@ class RunDir:
         layout.update(num_updates=cfg.num_updates, actor_devices=[str(d) for d in cfg.actor_devices])
         layout.update(learner_devices=[str(d) for d in cfg.learner_devices])
         config = dict(args=dataclasses.asdict(args), layout=layout, script=os.path.basename(__file__))
-        with writing(f"{self.path}/config.json", start_update), open(f"{self.path}/config.json", "w") as f:
-            json.dump(config, f, indent=2)
-        kept = journal(f"{self.path}/updates.jsonl", start_update)  # read before "w" empties it
+        write_whole(f"{self.path}/config.json", json.dumps(config, indent=2).encode(), start_update)
+        kept = journal(f"{self.path}/updates.jsonl", start_update)
+        write_whole(f"{self.path}/updates.jsonl", "".join(kept).encode(), start_update)  # healed, or not at all
         with writing(f"{self.path}/updates.jsonl", start_update):
-            self.updates = open(f"{self.path}/updates.jsonl", "w", buffering=1)
-            self.updates.writelines(kept)
+            self.updates = open(f"{self.path}/updates.jsonl", "a", buffering=1)
         if args.capture_video:  # a process of its own records the checkpoints: the training path stays as it is
             command = [sys.executable, RECORDER, self.path, str(os.getpid())]
             on_cpu = dict(os.environ, JAX_PLATFORMS="cpu")  # it steps one env: a GPU's memory stays the learner's
@@ -1272,8 +1265,9 @@ class RunDir:
             print(f"resuming from {checkpoint['path']} {resumed}; environments restart their episodes")
 
     def stop_on_failed_write(self, failure):  # threading.excepthook: a thread of ours reports its own failures
-        if issubclass(failure.exc_type, OSError):
-            stop_writing(f"{self.path}/events.out.tfevents.*", self.last_logged, failure.exc_value)
+        if issubclass(failure.exc_type, OSError) and type(failure.thread).__module__.startswith("tensorboardX"):
+            with writing(f"{self.path}/events.out.tfevents.*", self.last_logged):
+                raise failure.exc_value  # (TensorBoard's writer thread could not write)
         threading.__excepthook__(failure)
 
     def report(self, **progress):  # --distributed: how far this process got, for cleanba/supervise.py
@@ -1333,7 +1327,9 @@ class RunDir:
         with writing(f"{self.path}/updates.jsonl", update):  # a resume finds every update up to the checkpoint's
             self.updates.flush()
             os.fsync(self.updates.fileno())
-            self.writer.flush()  # and its logged points: it does not log them again
+        with writing(f"{self.path}/events.out.tfevents.*", update):  # and its points: closing writes out its queue
+            self.writer.close()
+            self.writer = SummaryWriter(self.path, filename_suffix=f".{update:09d}")  # a file of theirs, in name order
         config = json.dumps(algorithm_config(self.args, self.cfg), sort_keys=True)
         checkpoint = dict(state=flax.serialization.to_state_dict(to_host(state)), update=update, config=config)
         contents = flax.serialization.msgpack_serialize(checkpoint)
@@ -1357,17 +1353,17 @@ class RunDir:
                 self.recorder.wait(timeout=600)
             self.recorder.kill()
         if self.active:
-            with writing(self.path, self.last_logged):
+            with writing(f"{self.path}/events.out.tfevents.*", self.last_logged):
                 self.writer.close()
+            with writing(f"{self.path}/updates.jsonl", self.last_logged):
                 self.updates.close()
         if finished and self.wandb:
             self.wandb.finish()
 
 
 def journal(path: str, start_update: int) -> list[str]:
-    """updates.jsonl's records of the updates 1 to start_update (what the checkpoint covers), each once and in order:
-    records after it (the run redoes them), repeated or cut short by a kill or a full disk are dropped, in one line;
-    updates missing before it (lost with their file) are named in one line."""
+    """updates.jsonl's records of the updates the checkpoint covers, each once and in order; what else it held (records
+    after it, which the run redoes, repeated or cut short) and what it lacks are said in a line each."""
     lines = []
     with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
         lines = f.readlines()
@@ -1376,27 +1372,40 @@ def journal(path: str, start_update: int) -> list[str]:
         with contextlib.suppress(ValueError, KeyError, TypeError):  # a line cut short: not JSON, or no newline
             if line.endswith("\n") and 0 < (update := json.loads(line)["update"]) <= start_update:
                 records[update] = line
-    if dropped := len(lines) - len(records):
+    if start_update and (dropped := len(lines) - len(records)):  # (starting over, all the old run's lines go)
         print(f"{path}: dropped {dropped} of {len(lines)} lines (after update {start_update}, repeated or cut short)")
     if missing := [update for update in range(1, start_update + 1) if update not in records]:
-        print(f"{path} has no record of {len(missing)} updates its checkpoint covers ({missing[0]} to {missing[-1]})")
+        first_last = f"the first {missing[0]}, the last {missing[-1]}"
+        print(f"{path} lacks the records of {len(missing)} of the updates its checkpoint covers ({first_last})")
     return [records[update] for update in sorted(records)]
 
 
 @contextlib.contextmanager
-def writing(path: str, update: int):  # a write that fails (a full disk, a quota) stops the run
+def writing(path: str, update: int):
+    """A write that fails (a full disk, a quota) stops the run at once, in one line, exit status 74: the checkpoints
+    written before are intact, and updates.jsonl is healed when the run resumes (see journal)."""
     try:
         yield
     except OSError as error:
-        stop_writing(path, update, error)
+        kept = "the checkpoints written before are intact: run the same command to resume"
+        print(f"error: writing {path} after update {update} failed ({error}); {kept}", file=sys.stderr, flush=True)
+        os._exit(WRITE_FAILED)
 
 
-def stop_writing(path: str, update: int, error: OSError):
-    """One line, exit status 74, at once: the checkpoints written before are intact, and updates.jsonl is healed when
-    the run resumes (see journal)."""
-    kept = "the checkpoints written before are intact: run the same command to resume"
-    print(f"error: writing {path} after update {update} failed ({error}); {kept}", file=sys.stderr, flush=True)
-    os._exit(WRITE_FAILED)
+def write_whole(path: str, contents: bytes, update: int):
+    """Written to path.tmp and flushed to disk, then renamed over path: a kill or a full disk never cuts it short."""
+    with writing(f"{path}.tmp", update):
+        with open(f"{path}.tmp", "wb") as f:
+            f.write(contents)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f"{path}.tmp", path)
+
+
+def save_model(args: Args, run_path: str, params, update: int):  # for cleanba/evaluate.py
+    path = f"{run_path}/{args.exp_name}.cleanba_model"
+    write_whole(path, flax.serialization.to_bytes(to_host(params)), update)  # normalisation statistics included
+    print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_path})")
 
 
 def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, state: TrainState, update: int):
@@ -1422,11 +1431,8 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
         by = signal.Signals(signum).name if signals.received else "another process"
         resume = f"checkpoint written to {run_dir.path}/checkpoint.msgpack: run the same command to resume"
         print(f"stopped by {by} after update {update} (global step {update * cfg.batch_size:,}); {resume}")
-    if cfg.rank == 0 and args.save_model and not failed and not preempted:  # for cleanba/evaluate.py
-        path = f"{run_dir.path}/{args.exp_name}.cleanba_model"
-        with writing(path, update), open(path, "wb") as f:
-            f.write(flax.serialization.to_bytes(to_host(state.params)))  # normalisation statistics included
-        print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_dir.path})")
+    if cfg.rank == 0 and args.save_model and not failed and not preempted:
+        save_model(args, run_dir.path, state.params, update)
     run_dir.close(finished=not failed and not preempted)
     if failed and args.distributed:  # (stderr is line-buffered: the tracebacks are out)
         os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
@@ -1440,4 +1446,4 @@ if __name__ == "__main__":
         main(tyro.cli(Args))
     except ConfigError as error:  # bad input: one line naming the flag or file at fault, exit status 2, nothing written
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(error.status)
+        sys.exit(2)

@@ -86,7 +86,7 @@ def test_run_name_and_no_resume(sync_run, sync_rerun):
     same in every script, tests/test_scripts.py: PPO runs it.)"""
     again, over = sync_rerun
     assert sync_run.path.endswith(os.path.join("runs", "sync"))
-    assert "run sync already finished 12 updates; nothing to do" in again, again
+    assert "run sync already finished 12 updates; nothing to train" in again, again
     assert "resuming" not in over.output and "update 12/12" in over.output, over.output
     assert over.path.endswith(os.path.join("runs", "sync")) and load_checkpoint(over.path)["update"] == 12
     assert [record["update"] for record in over.records] == list(range(1, 13))
@@ -491,19 +491,23 @@ def test_a_second_copy_of_the_command_is_refused_and_the_first_runs_on(tmp_path)
     assert updates_logged(run_dir) == list(range(1, stopped + 1))
 
 
-@pytest.mark.parametrize("fault", ["journal", "events"])
-def test_a_full_disk_under_the_logs_stops_in_one_line_and_the_run_resumes_whole(tmp_path, fault):
+@pytest.mark.parametrize("fault", ["journal", "events", "torn"])
+def test_a_full_disk_or_a_kill_under_the_logs_and_the_run_resumes_whole(tmp_path, fault):
     """The disk fills while updates.jsonl gets update 5's record (half of the line is written) or under TensorBoard's
-    event file (its writer thread, a moment later): one line naming the file, exit status 74. The same command then
-    resumes from the checkpoint of update 4, drops what the journal holds after it (the torn line included) in one
-    line, and logs every update exactly once, in updates.jsonl and in TensorBoard."""
+    event file (its writer thread, a moment later): one line naming the file, exit status 74; or the process dies
+    half-way through that line (exit 137, as SIGKILL). The same command then resumes from the checkpoint of update 4,
+    drops what the journal holds after it (the torn line included) in one line, and logs every update exactly once, in
+    updates.jsonl and in TensorBoard."""
     failed = run_faulty(tmp_path, f"{fault}@5", *SHORT)
     run_dir = os.path.relpath(only_run(tmp_path), tmp_path)
-    file = "updates.jsonl" if fault == "journal" else "events.out.tfevents.*"
+    file = "events.out.tfevents.*" if fault == "events" else "updates.jsonl"
     expected = rf"error: writing {re.escape(run_dir)}/{re.escape(file)} after update [5-7] failed \(\[Errno 28\] "
     expected += r"No space left on device\); the checkpoints written before are intact: run the same command to resume"
-    assert re.fullmatch(expected, stderr_line(failed, 74))
-    if fault == "journal":
+    if fault == "torn":
+        assert failed.returncode == 137, failed.stderr[-3000:]
+    else:
+        assert re.fullmatch(expected, stderr_line(failed, 74))
+    if fault != "events":
         with open(os.path.join(tmp_path, run_dir, "updates.jsonl")) as f:
             assert not f.read().endswith("\n")  # the torn line
     resumed = run(tmp_path, *SHORT)
@@ -572,3 +576,24 @@ def test_no_resume_leaves_nothing_of_the_old_run_and_any_older_checkpoint_is_a_f
     resumed = run(tmp_path, *flags)
     assert resumed.returncode == 0 and f"resuming from {name}/checkpoint.msgpack after update 3 " in resumed.stdout
     assert updates_logged(run_dir) == list(range(1, 17))
+
+
+def test_a_model_that_cannot_be_written_is_written_by_the_same_command_later(tmp_path):
+    """The model's write fails at the run's end (here its path is taken by a directory; a full disk alike): one line,
+    exit status 74, no model cut short. The same command, once it can write, finds the run finished and saves the
+    model from its last checkpoint, which evaluate.py then plays."""
+    flags = [*SHORT, "--save-model"]
+    run_dir = os.path.join(tmp_path, "runs", "taken")
+    os.makedirs(os.path.join(run_dir, "cleanba_ppo.cleanba_model"))
+    failed = run(tmp_path, *flags, "--run-name", "taken")
+    line = stderr_line(failed, 74)
+    assert line.startswith("error: writing runs/taken/cleanba_ppo.cleanba_model.tmp after update 16 failed (")
+    os.rmdir(os.path.join(run_dir, "cleanba_ppo.cleanba_model"))
+    again = run(tmp_path, *flags, "--run-name", "taken")
+    assert again.returncode == 0 and "run taken already finished 16 updates" in again.stdout, again.stderr[-3000:]
+    assert "model saved to runs/taken/cleanba_ppo.cleanba_model" in again.stdout
+    with open(os.path.join(run_dir, "cleanba_ppo.cleanba_model"), "rb") as f:
+        saved = flax.serialization.msgpack_restore(f.read())
+    checkpoint = load_checkpoint(run_dir)["state"]["params"]
+    flat = flax.traverse_util.flatten_dict
+    assert all(np.array_equal(flat(saved)[k], flat(checkpoint)[k]) for k in flat(checkpoint))
