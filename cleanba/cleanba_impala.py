@@ -723,7 +723,7 @@ def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoin
 
 def main(args: Args):
     signals = StopSignals()  # SIGTERM (preemption), SIGINT (Ctrl-C): a checkpoint after the update, then exit
-    cfg, run_name, checkpoint, lock = start_up(args)
+    cfg, run_name, checkpoint, lock = start_up(args)  # the run directory's lock, held until main returns
     spec = envpool.make_spec(args.env_id, **env_options(args))
     networks = make_networks(args, spec)
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
@@ -733,7 +733,7 @@ def main(args: Args):
         if args.save_model and cfg.rank == 0:  # its model, if the first run could not write it
             save_model(args, f"runs/{run_name}", state.params, start_update)
         return
-    run_dir = RunDir(args, cfg, run_name, start_update, schedule, checkpoint, lock)
+    run_dir = RunDir(args, cfg, run_name, start_update, schedule, checkpoint)
     update_fn = make_update(args, cfg, networks)
     actors = Actors(args, cfg, networks, start_update, signals.stop)
 
@@ -1209,7 +1209,7 @@ class RunDir:
     """What process 0 writes to runs/<run_name>/: TensorBoard events (mirrored to W&B by --track), config.json,
     updates.jsonl (per update: version, fingerprint, losses; for compare_runs.py), checkpoints, model; console lines."""
 
-    def __init__(self, args: Args, cfg: Config, run_name: str, start_update: int, schedule, checkpoint, lock):
+    def __init__(self, args: Args, cfg: Config, run_name: str, start_update: int, schedule, checkpoint):
         self.args = args
         self.cfg = cfg
         self.schedule = schedule
@@ -1217,7 +1217,6 @@ class RunDir:
         self.active = cfg.rank == 0
         self.start_update = start_update
         self.last_checkpoint = self.last_logged = start_update
-        self.lock = lock  # held while this object lives: the run's
         self.start_time = self.last_checkpoint_time = time.time()
         self.recent = []  # the records of the updates since the last log line
         self.wandb = None
