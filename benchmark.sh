@@ -68,8 +68,8 @@
 #                            against EnvPool alone (actors_alone.py), each with XLA's CUDA graphs as they are (as-is),
 #                            off (graphs-off), and holding every kernel, convolutions too (graphs-all); in
 #                            docs/results/gpu/actors/<variant>/ (--out DIR elsewhere, then -- and the script's flags).
-#                            It keeps to a budget, BUDGET=390 seconds by default (a call of the project's GPU machine
-#                            runs 10 minutes at most), reporting what did not fit as skipped (all of it takes ~8 min)
+#                            It keeps to a budget, BUDGET=390 seconds by default (to fit a
+#                            10-minute slot), reporting what did not fit as skipped (all of it takes ~8 min)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on

@@ -1,5 +1,5 @@
-"""The GPU profile (benchmark.sh gpu-profile: tests/benchmarks/device_trace.py) reads a GPU's trace right. A GPU machine
-is lent for minutes, now and then: what it brings back must be readable the first time. The trace below has the shape of
+"""The GPU profile (benchmark.sh gpu-profile: tests/benchmarks/device_trace.py) reads a GPU's trace right. A GPU's
+measurement is costly to repeat: what it brings back must be readable the first time. The trace below has the shape of
 JAX's perfetto export of CUPTI's events (a process per device, a line per stream, lines derived from them, a kernel's
 annotations naming the loop it runs in before its own operation), and the HLO that of an optimised update."""
 

@@ -1,8 +1,8 @@
 """What an actor step's own calls cost, without the environments' stepping: the script's `observe` and `act` on one
 recorded step of E envs, called as its actor loop on a GPU calls them, from one thread and from several at once.
 
-    source .gpu/env.sh && python3 tests/benchmarks/actor_calls.py --out "$OUT"   # on the GPU machine (~1 minute)
-    python tests/benchmarks/actor_calls.py --out /tmp/calls --seconds 1 --envs 4 8   # on a CPU
+    .venv/bin/python tests/benchmarks/actor_calls.py --out results   # on a GPU machine (~1 minute)
+    .venv/bin/python tests/benchmarks/actor_calls.py --out /tmp/calls --seconds 1 --envs 4 8   # on a CPU
 
 An actor step on a GPU is EnvPool's recv, `observe` (the step's outputs copied to the device, the episodes'
 bookkeeping), `act` (inference and sampling), the wait for the actions on the host, and EnvPool's send; the envs
@@ -11,10 +11,10 @@ pool of E envs, random actions): for each number of envs per call (--envs) and o
 second in all and each phase's host time per call. EnvPool's recv and send, and a rollout's stacking and bootstrap,
 are not timed here (actor_step.py times the first two with the environments). N threads making N times the calls of
 one run side by side; as many as one, something they share (the GIL, the GPU client, the device) serialises them,
-and more actor threads or EnvPools per thread cannot hide the calls (docs/performance.md: "the actors' own work may
-be serialised"). A script's defaults (IMPALA's by default, Breakout-v5), XLA's deterministic GPU ops as the script
-sets them (--no-deterministic-gpu: off); XLA_FLAGS of the user's stay, so that XLA's options can be compared (its
-CUDA graphs, say), each in its own --out. Written to --out after each measurement:
+and more actor threads or EnvPools per thread cannot hide the calls (docs/notes/gpu-investigations.md: "the actors'
+own work may be serialised"). A script's defaults (IMPALA's by default, Breakout-v5), XLA's deterministic GPU ops as
+the script sets them (--no-deterministic-gpu: off); XLA_FLAGS of the user's stay, so that XLA's options can be
+compared (its CUDA graphs, say), each in its own --out. Written to --out after each measurement:
 actor_calls_<algo>_<det|nondet>.json and .md.
 """
 

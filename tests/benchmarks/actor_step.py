@@ -1,7 +1,8 @@
 """Where an actor step's time goes, on the device the script would use: one call, one JSON and one markdown table.
 
-    source .gpu/env.sh && python3 tests/benchmarks/actor_step.py --out "$OUT/actor_step"   # on the GPU machine
-    python tests/benchmarks/actor_step.py --out /tmp/actor_step --seconds 2 -- --local-num-envs 8 --num-steps 8
+    .venv/bin/python tests/benchmarks/actor_step.py --out results/actor_step   # on a GPU machine
+    .venv/bin/python tests/benchmarks/actor_step.py --out /tmp/actor_step --seconds 2 -- \\
+        --local-num-envs 8 --num-steps 8
 
 A script's defaults (IMPALA's by default, Breakout-v5, 2 actor threads x 64 envs), in this one process, with XLA's
 deterministic GPU ops as the script sets them (--no-deterministic-gpu: off). Each part runs its actor threads

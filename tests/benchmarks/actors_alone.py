@@ -3,7 +3,7 @@
 on the same cores, for each number of EnvPools per actor thread (--env-pools: while one pool's actions are inferred,
 the others step). On a machine with one GPU it is the actors' side of a run with a GPU for the learner.
 
-    source .gpu/env.sh && python3 tests/benchmarks/actors_alone.py --out "$OUT"        # the GPU machine (~3 minutes)
+    .venv/bin/python tests/benchmarks/actors_alone.py --out results        # on a GPU machine (~3 minutes)
     .venv/bin/python tests/benchmarks/actors_alone.py --out /tmp/alone --algos impala --seconds 2 -- --local-num-envs 8
 
 Each script's defaults on Breakout-v5 (or the flags after --), with XLA's deterministic GPU ops as the script sets

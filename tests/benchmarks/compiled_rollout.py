@@ -2,8 +2,8 @@
 loop of jitted calls collects, and how much faster it is there: the question behind the scripts' GPU rollout being a
 Python loop.
 
-    source .gpu/env.sh && python3 tests/benchmarks/compiled_rollout.py --out "$OUT"   # on the GPU machine (~2 min)
-    python tests/benchmarks/compiled_rollout.py --out /tmp/compiled --shapes 4x8        # on a CPU
+    .venv/bin/python tests/benchmarks/compiled_rollout.py --out results   # on a GPU machine (~2 min)
+    .venv/bin/python tests/benchmarks/compiled_rollout.py --out /tmp/compiled --shapes 4x8        # on a CPU
 
 On a CPU each actor thread's rollout is a jitted lax.scan of the script's act, EnvPool's XLA step (envs.xla()) and
 observe. On an H100 on 2026-11-23 that program gave wrong data at 64 envs x 128 steps (garbage bytes in the episode

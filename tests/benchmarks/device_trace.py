@@ -2,9 +2,9 @@
 by the part of the network (or of the loss) that each computes, read from the optimised program's metadata; with
 --actors, where the actors' rollouts do (the script's own actor threads, no learner).
 
-    source .gpu/env.sh && PYTHON=python3 bash benchmark.sh gpu-profile --out "$OUT" --raw-out "$OUT/raw"   # GPU machine
-    python tests/benchmarks/device_trace.py --algo ppo --out /tmp/trace --calls 1 -- --local-num-envs 8 --num-steps 8 \\
-        --num-actor-threads 1   # on a CPU
+    bash benchmark.sh gpu-profile --out results --raw-out results/raw   # on a GPU machine
+    .venv/bin/python tests/benchmarks/device_trace.py --algo ppo --out /tmp/trace --calls 1 -- \\
+        --local-num-envs 8 --num-steps 8 --num-actor-threads 1   # on a CPU
 
 A script's defaults (PPO's by default, Breakout-v5), with XLA's deterministic GPU ops as the script sets them
 (--no-deterministic-gpu: off). The update runs on a batch of the script's own actors, once untimed (it compiles), then

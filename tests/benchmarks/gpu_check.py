@@ -1,6 +1,6 @@
 """GPU check: one command that measures, in a few minutes on one GPU machine, what the docs need to know about it.
 
-    source .gpu/env.sh && PYTHON=python3 bash benchmark.sh gpu-check --out "$OUT"      # on the GPU machine (~8 min)
+    bash benchmark.sh gpu-check --out results      # on a GPU machine (~8 min)
     bash benchmark.sh gpu-check --out /tmp/gpucheck --seconds 5 --env-id CartPole-v1 --repro-env-id CartPole-v1 \\
         --repro-envs 16 --repro-steps 16 --repro-updates 5 -- --local-num-envs 8 --num-steps 32  # a dry run on a CPU
 
@@ -119,7 +119,7 @@ def on_signal(signum, frame):
 
 
 def machine_info(commit: str | None) -> dict:
-    if commit is None and shutil.which("git"):  # the GPU machine's copy of the working tree may have no .git
+    if commit is None and shutil.which("git"):  # a copy of the working tree may have no .git
         head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
         if head.returncode == 0:
             commit = head.stdout.strip()

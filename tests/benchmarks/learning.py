@@ -1,9 +1,10 @@
 """Learning benchmark: each script trains on one environment for a fixed wall-clock budget, as a user runs it; then
 its steps/s over the run and its episodic-return curve are reported, with a CSV and a PNG.
 
-    python tests/benchmarks/learning.py --env-id Breakout-v5 --minutes 3.5 --out results/learning   # a GPU
-    python tests/benchmarks/learning.py --minutes 0.5 -- --local-num-envs 8 --num-steps 32            # a smoke run
-    python tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --evaluate 20 -- --num-levels 200 \
+    .venv/bin/python tests/benchmarks/learning.py --env-id Breakout-v5 --minutes 3.5 --out results/learning  # a GPU
+    .venv/bin/python tests/benchmarks/learning.py --minutes 0.5 -- --local-num-envs 8 --num-steps 32  # a smoke run
+    .venv/bin/python tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --evaluate 20 -- \
+        --num-levels 200 \
         --total-timesteps 1048576 --save-model                                    # Procgen: train and test returns
 
 Each script runs with its defaults (the paper's Atari settings) and the flags given after `--`, in a subprocess,

@@ -2,7 +2,7 @@
 synchronous) on one batch of its own actors, --updates times, each timed; prints a hash of the batch and of the
 parameters after each update, after a line naming the machine. Run it twice and compare: equal hashes, equal bits.
 
-    source .gpu/env.sh && python3 tests/benchmarks/update_bits.py --algo ppo            # on the GPU machine
+    .venv/bin/python tests/benchmarks/update_bits.py --algo ppo            # on a GPU machine
     .venv/bin/python tests/benchmarks/update_bits.py --algo impala -- --local-num-envs 8 --num-steps 32 \\
         --num-actor-threads 1                                                            # on a CPU
 
