@@ -9,27 +9,31 @@ submit: cleanba/launch.py --slurm's batch job, 2 tasks under srun (tests/soak_ta
 attempt's fault on process 0, and keeps its output); the template requeues it after a preemption (143) and a lost
 process (75, 137; 3 restarts at most), the soak lets the requeued job start at once (SLURM holds it back two
 minutes), and submits the job again once the template gives up (after Ctrl-C, or the 3 restarts), as a user would.
-srun's status is the highest of its tasks': when process 0 fails (1, 74, 137) the other exits 75, so the job is
-requeued as for a lost process. A preemption is scancel --signal=TERM to the job's steps, as SLURM's own; the checks
-are the same, plus the job's requeue where the template says.
+srun's status is the highest of its tasks': when process 0 alone fails (74, 137, or 1) and the other exits 75, the
+job is requeued as for a lost process; when both exit 1 (a non-finite state), it ends, and the soak submits it again.
+A preemption is scancel --signal=TERM to the job's steps, as SLURM's own; the checks are the same, plus the job's
+requeue where the template says.
 
 The faults. Each of those that end an attempt lands at a random moment (after 1 to 2 checkpoint intervals of new
-updates, or at a checkpoint); process 0 exits as the fault says, the other process as for a lost process (75, in one
-line naming process 0 and the last checkpoint) unless a stop signal reached it too:
+updates, or at a checkpoint); the process it hits (process 0 but for lose-process) exits as it says, the other as for a
+lost process (75, in one line naming the lost one and the last checkpoint) unless a stop signal reached both, or
+(non-finite) it stopped too:
     preempt             SIGTERM to every process of the job (SLURM's preemption): 143 each, a checkpoint written
     interrupt           SIGINT to every process (Ctrl-C): 130 each, a checkpoint written
     lose-process        SIGKILL to one process and its supervisor (a lost node)
     kill-in-checkpoint  process 0 dies while it writes a checkpoint (tests/with_fault.py's checkpoint@K, between the
                         write and the rename: 137), then SIGKILL to every other process
     failed-write        process 0 runs under a file-size limit smaller than a checkpoint: its next checkpoint fails
-                        (74, one line)
+                        (74, one line; drawn while updates.jsonl stays below the limit)
     torn-journal        process 0 dies half-way through writing an update's record to updates.jsonl (torn@K: 137)
     full-journal        the disk fills while process 0 writes an update's record, half of it written (journal@K: 74,
                         one line naming updates.jsonl)
     full-events         the disk fills under TensorBoard's event file once an update is logged (events@K: 74, one line
                         naming the event files, at that update or at the next points logged)
     non-finite          the optimiser's state becomes infinite in an update (inf@K: 1, one line naming the update,
-                        what is non-finite and the last good checkpoint)
+                        what is non-finite and the last good checkpoint); the processes check the state together, so
+                        the other process exits 1 in the same line (naming no part: they are process 0's) or, if it
+                        finds process 0 gone first, 75
 between two attempts:
     corrupt-cut         the newest checkpoint is cut short (when an intact one is behind it)
     corrupt-flip        one bit of the newest checkpoint is flipped (likewise)
@@ -99,10 +103,6 @@ WRITE_FAILED = 74  # a checkpoint, updates.jsonl or an event file could not be w
 KILLED = 137  # tests/with_fault.py's checkpoint@K and torn@K: the process exits as SIGKILL would leave it
 FAILED = 1  # a non-finite state
 IN_USE = 73  # another copy of the command owns the run directory
-# The soak's (SLURM: srun's) status of each process fault but a stop signal: that of a process lost to the others,
-# 75 or 137 (srun reports the highest of its tasks'), which the template requeues, 3 times at most.
-ENDS_AS_LOST = ["lose-process", "kill-in-checkpoint", "failed-write", "torn-journal", "full-journal", "full-events"]
-ENDS_AS_LOST += ["non-finite"]
 COPY_UPDATES = 10  # updates an attempt may log while a second copy starts and is refused (the run is made longer)
 PROCESSES = 2
 ENVS = 4  # per process
@@ -385,9 +385,11 @@ class SlurmJob:
             self.restarts += 1
         return SlurmAttempt(self, name, log_prefix)
 
-    def settle(self, fault: str | None, where: str):
-        """After an attempt: the job is requeued (pending) or over, as the template says for the fault's status."""
-        requeued = fault == "preempt" or (fault in ENDS_AS_LOST and self.restarts < 3)
+    def settle(self, codes: list[int], where: str):
+        """After an attempt: the job is requeued (pending) or over, as the template says for srun's status, the highest
+        of its tasks' (`codes`, checked against the fault's documented ones after): 143 always, 75 and 137 3 times."""
+        status = max(128 - code if code < 0 else code for code in codes)
+        requeued = status == STOPPED["preempt"] or (status in (LOST_PROCESS, KILLED) and self.restarts < 3)
         deadline = time.time() + 60
         while (state := self.state()) not in (self.FINAL | {"", "PENDING"}):
             assert time.time() < deadline, f"{where}: the job is {state}"
@@ -523,14 +525,19 @@ def check_ending(fault, codes, processes: "Processes | SlurmAttempt", run_dir: s
         assert newest_intact(run_dir) < (at if fault == "full-journal" else failed + 1), f"{where}: a checkpoint after"
         check_lost_line(processes, 1, 0, run_dir, name)
     elif fault == "non-finite":  # update `at` made the optimiser's state infinite: the run stops before it is kept
-        assert codes == [FAILED, LOST_PROCESS], f"{where}: exit statuses {codes}"
-        pattern = rf"error: non-finite values after update {at}: opt_state/.+; the last good checkpoint is the one "
-        pattern += r"after update (\d+)"
-        good = int(one_line(stderr_of(processes, 0), pattern, f"{where}, process 0").group(1))
-        assert good == newest_intact(run_dir) < at, f"{where}: the last good checkpoint named is {good}"
+        # The check of the state is the processes' together: the other process stops in the same line, exit status 1
+        # (the non-finite parts are process 0's alone: it names none), unless it finds process 0 gone first (75).
+        assert codes[0] == FAILED and codes[1] in (FAILED, LOST_PROCESS), f"{where}: exit statuses {codes}"
+        pattern = rf"error: non-finite values after update {at}: (.*); the last good checkpoint is the one after "
+        pattern += r"update (\d+)"
+        parts, good = one_line(stderr_of(processes, 0), pattern, f"{where}, process 0").groups()
+        assert parts.startswith("opt_state/") and int(good) == newest_intact(run_dir) < at, f"{where}: {parts}, {good}"
         assert finite_checkpoints(run_dir), f"{where}: a checkpoint holds non-finite values"
         assert (updates_logged(run_dir) or [0])[-1] == at - 1, f"{where}: update {at} was logged"
-        check_lost_line(processes, 1, 0, run_dir, name)
+        if codes[1] == FAILED:
+            one_line(processes.stderr[1], pattern.replace("(.*)", "()").replace(r"(\d+)", good), f"{where}, process 1")
+        else:
+            check_lost_line(processes, 1, 0, run_dir, name)
     else:
         assert codes == [0] * PROCESSES, f"{where}: exit statuses {codes}"
         for rank in range(PROCESSES):
@@ -601,7 +608,7 @@ def flags_of(algo: str, seed: int, updates: int, interval: int, cache: str) -> l
     return [*flags.split(), "--compilation-cache-dir", cache]
 
 
-def attempt_fault(kind: str, start: int, interval: int, run_dir: str, updates: int, rng) -> tuple[int, dict]:
+def attempt_fault(kind: str, start: int, interval: int, run_dir: str, rng) -> tuple[int, dict]:
     """When the fault lands (the update) and how the attempt's processes start for it."""
     due = (start // interval + 1) * interval  # the attempt's first periodic checkpoint
     if kind == "kill-in-checkpoint":
@@ -611,10 +618,8 @@ def attempt_fault(kind: str, start: int, interval: int, run_dir: str, updates: i
         at = start + int(rng.integers(1, 2 * interval + 1))
         return at, dict(rank_0_fault=f"{WITH_FAULT[kind]}@{at}")
     if kind == "failed-write":  # a limit just below a checkpoint's size, above what the logs reach
-        limit = checkpoint_size(run_dir) - 1
-        logged = os.path.getsize(os.path.join(run_dir, "updates.jsonl"))
-        assert logged / start * updates < 0.9 * limit, "updates.jsonl would reach the file-size limit: fewer updates"
-        return due, dict(file_limit=limit)
+        assert journal_fits(run_dir, start, interval), "updates.jsonl would reach the file-size limit"
+        return due, dict(file_limit=checkpoint_size(run_dir) - 1)
     return start + int(rng.integers(1, 2 * interval + 1)), {}
 
 
@@ -625,11 +630,20 @@ def checkpoint_size(run_dir: str) -> int | None:  # that of an intact checkpoint
     return None
 
 
+def journal_fits(run_dir: str, start: int, interval: int) -> bool:
+    """A file-size limit just below a checkpoint's size leaves room for updates.jsonl up to the attempt's first
+    checkpoint (IMPALA's CartPole checkpoint holds ~230 updates' records): a failed write is the checkpoint's."""
+    if not (size := checkpoint_size(run_dir)) or not start:
+        return False
+    logged = os.path.getsize(os.path.join(run_dir, "updates.jsonl"))
+    return logged / start * (start + interval + 1) < 0.9 * (size - 1)
+
+
 def can_corrupt(run_dir: str) -> bool:  # the newest and the one behind it intact: the resume has one to fall back to
     return all(intact_update(path) is not None for path in checkpoint_paths(run_dir))
 
 
-def next_faults(rng, run_dir: str, remaining: int, copies: int, schedule: list[str] | None) -> tuple:
+def next_faults(rng, run_dir: str, interval: int, remaining: int, copies: int, schedule: list[str] | None) -> tuple:
     """(A checkpoint fault to apply before the next attempt, or None; whether a second copy of the command starts
     while it runs; the attempt's process fault, or None: it runs to the end), from the schedule in order (a second copy
     before a fault the soak itself lands: a stop signal or a lost process), else drawn among those that can happen
@@ -647,7 +661,8 @@ def next_faults(rng, run_dir: str, remaining: int, copies: int, schedule: list[s
         remaining -= 1
     if not remaining:
         return corruption, False, None
-    possible = [kind for kind in PROCESS_FAULTS if kind != "failed-write" or checkpoint_size(run_dir)]
+    start = newest_intact(run_dir)  # (or an older one, after a corruption: less of updates.jsonl kept)
+    possible = [kind for kind in PROCESS_FAULTS if kind != "failed-write" or journal_fits(run_dir, start, interval)]
     kind = str(rng.choice(possible))
     # A second copy in about a tenth of the faults: in 40% of the attempts a stop signal or lost process ends.
     copy = kind in SIGNAL_FAULTS and remaining >= 2 and copies > 0 and rng.random() < 0.4
@@ -682,12 +697,12 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
     while True:
         done = sum(bool(a.fault) + bool(a.corrupted) + a.copied for a in attempts)
         copies_left = copies - sum(a.copied for a in attempts)
-        corrupted, copied, kind = next_faults(rng, run_dir, faults - done, copies_left, schedule)
+        corrupted, copied, kind = next_faults(rng, run_dir, interval, faults - done, copies_left, schedule)
         if corrupted:
             corrupt(checkpoint_paths(run_dir)[0], corrupted, rng)
         start = newest_intact(run_dir)
         journal_lines = lines_in(os.path.join(run_dir, "updates.jsonl"))  # what the resume heals
-        at, options = attempt_fault(kind, start, interval, run_dir, updates, rng) if kind else (None, {})
+        at, options = attempt_fault(kind, start, interval, run_dir, rng) if kind else (None, {})
         if kind and at >= updates:
             raise AssertionError(f"the run ends before its {len(attempts) + 1}th fault ({kind})")
         prefix = os.path.join(logs, f"attempt-{len(attempts) + 1:03d}-{kind or 'end'}")
@@ -713,7 +728,7 @@ def soak(algo: str, directory: str, faults: int, seed: int, schedule: list[str] 
             processes.signal_all(signal.SIGKILL)  # everything else of the job goes with it
         codes = processes.wait(ATTEMPT_TIMEOUT)
         if job:
-            job.settle(kind, prefix)
+            job.settle(codes, prefix)
         resumed = re.findall(r"^resuming from \S+ after update (\d+) ", "".join(processes.stdout[0]), re.M)
         resumed_from = int(resumed[0]) if resumed else 0
         assert resumed_from == start, f"{prefix}: resumed from update {resumed_from}, not {start}, the newest intact"
