@@ -576,8 +576,12 @@ def check_second_copy(processes: "Processes | SlurmAttempt", work: str, algo: st
         printed = [line for line in copy.stdout[rank] if not line.startswith("[Gloo] ")]  # gloo's: it connected
         assert not printed, f"{where}: process {rank}'s stdout: {printed[-5:]}"
     assert not processes.ended(), f"{processes.log_prefix}: the attempt ended beside the second copy"
-    after = files()  # the same files (the attempt's event file grown, maybe), the lock and config.json unchanged
-    assert after.keys() == before.keys(), f"{where}: the run directory held {sorted(before)}, now {sorted(after)}"
+    # The same files, the lock and config.json unchanged; the attempt's event files grown, or one more of its own: after
+    # each checkpoint it goes on in a file named by the checkpoint's update (a second copy never gets that far).
+    after = files()
+    added = sorted(after.keys() - before.keys())
+    assert before.keys() <= after.keys(), f"{where}: the run directory held {sorted(before)}, now {sorted(after)}"
+    assert all(re.fullmatch(r"events\.out\.tfevents\..*\.\d{9}", entry) for entry in added), f"{where}: {added}"
     for entry, was in before.items():
         assert after[entry] >= was if entry.startswith("events.") else after[entry] == was, f"{where}: {entry} changed"
     return len(set(logged) - set(updates_logged(run_dir)))
