@@ -38,9 +38,9 @@
 #                            its training levels and 20 on unseen ones (their returns printed); aggregate.py's train and
 #                            test returns (the run's last tenth, and the unseen levels) and curves in
 #                            docs/results/procgen_cpu/
-#   soak                     the chaos soak (tests/soak.py): IMPALA and PPO, 2 processes on CartPole, 40 faults of 7
-#                            kinds each from a seeded schedule, every invariant checked; figures in
-#                            docs/results/soak/soak.{json,md} (~20 minutes on 2 CPU cores)
+#   soak                     the chaos soak (tests/soak.py): PPO, IMPALA and PQN, 2 processes on CartPole, 60 faults
+#                            of 12 kinds each from a seeded schedule, every invariant checked; figures in
+#                            docs/results/soak/soak.{json,md} (~30 minutes on 2 CPU cores)
 #   soak-slurm               the same soak with the run as a SLURM job (cleanba/launch.py --slurm, its template's
 #                            --requeue) on a one-node cluster started here (root, slurm-wlm and munge, as setup.sh
 #                            installs them); figures in docs/results/soak/soak_slurm.{json,md}
@@ -280,9 +280,9 @@ case "$grid" in
     $PYTHON cleanba/aggregate.py runs/procgen_cpu_starpilot runs/procgen_cpu_coinrun --out docs/results/procgen_cpu \
       --no-profiles ;;
   soak)
-    $PYTHON tests/soak.py --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
+    $PYTHON tests/soak.py --algo ppo impala pqn --faults 60 --dir "${SOAK_DIR:-soak}" --out docs/results/soak "$@" ;;
   soak-slurm)
-    $PYTHON tests/soak.py --slurm --algo impala ppo --faults 40 --dir "${SOAK_DIR:-soak-slurm}" --out docs/results/soak "$@" ;;
+    $PYTHON tests/soak.py --slurm --algo ppo impala pqn --faults 60 --dir "${SOAK_DIR:-soak-slurm}" --out docs/results/soak "$@" ;;
   gpu-throughput)
     mkdir -p results
     $PYTHON tests/benchmarks/throughput.py --configs atari --out results/gpu_throughput.json "$@" ;;

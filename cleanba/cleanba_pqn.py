@@ -639,7 +639,7 @@ def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoin
         if not np.isfinite(value):
             raise FloatingPointError(f"non-finite {name} ({value}) at update {update}; {last}")
     if not finite:  # finite losses, and yet a step too large for float32 (a learning rate of 1e39, say)
-        where = non_finite(flax.serialization.to_state_dict(to_host(new_state)))
+        where = non_finite(flax.serialization.to_state_dict(to_host(new_state))) or "another process's state"
         raise FloatingPointError(f"non-finite values after update {update}: {where}; {last}")
     return new_state, dict(fingerprint=f"{fingerprint:08x}", losses=losses, episodes=episodes)
 
