@@ -17,6 +17,7 @@ global minibatch. So the same seed gives the same batches on 1 device or many (c
 bits from update 2), and the same losses up to float reassociation; bit for bit with --layout-free-group-size.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import fcntl
@@ -25,6 +26,7 @@ import gc
 import hashlib
 import importlib
 import json
+import multiprocessing
 import os
 import queue
 import re
@@ -36,7 +38,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Annotated, NamedTuple, TypeVar
+from typing import Annotated, Literal, NamedTuple, TypeVar
 
 # --distributed: hand over to cleanba/supervise.py (it runs this script as its child) before the slow imports below.
 if __name__ == "__main__" and "--distributed" in sys.argv[1:] and not os.environ.get("CLEANBA_SUPERVISED"):
@@ -47,6 +49,7 @@ if __name__ == "__main__" and "--distributed" in sys.argv[1:] and not os.environ
 import envpool
 import flax
 import flax.linen as nn
+import gymnasium
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +75,7 @@ class Args:
     seed: Algorithm[int] = 1  # seed of the experiment: environments, action sampling, initialisation and minibatches
     # The algorithm's defaults are the paper's Atari settings (Gallici et al., 2024, appendix).
     env_id: Algorithm[str] = "Breakout-v5"  # an EnvPool id with discrete actions: Atari (*-v5), MiniGrid, CartPole
+    env_backend: Algorithm[Literal["envpool", "gymnasium"] | None] = None  # None: EnvPool if it has the id
     total_timesteps: Algorithm[int] = 10_000_000  # environment steps over all environments (not Atari frames)
     learning_rate: Algorithm[float] = 2.5e-4  # RAdam's learning rate
     anneal_lr: Algorithm[bool] = True  # anneal the learning rate linearly to 0 over the run
@@ -159,7 +163,26 @@ def make_env(args: Args, num_envs: int, first_env_index: int, **threads):
     # EnvPool seeds env i of a pool with (pool seed) + i, so env g gets the same seed wherever it runs; each --seed
     # has its own block of 2^20 envs (EnvPool's seeds have 31 bits), so runs with seeds 1, 2, 3 share no env.
     seed = (args.seed * 2**20 + first_env_index) % 2**31
+    if gymnasium_backend(args):
+        return GymnasiumPool(args.env_id, num_envs, seed, **threads)
     return envpool.make(args.env_id, env_type="gym", num_envs=num_envs, seed=seed, **env_options(args), **threads)
+
+
+def gymnasium_backend(args: Args) -> bool:  # --env-backend, or by default EnvPool wherever it has the id
+    return args.env_backend == "gymnasium" or (args.env_backend is None and args.env_id not in envpool.list_all_envs())
+
+
+def env_spec(args: Args):
+    """One environment's observation and action spaces: EnvPool's spec, or a Gymnasium environment made and reset
+    (a module:Env-v0 id imports its module from the working directory too, as `python -m` would)."""
+    if not gymnasium_backend(args):
+        return envpool.make_spec(args.env_id, **env_options(args))
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    env = gymnasium.make(args.env_id)
+    env.reset(seed=0)  # an environment that cannot reset is refused before the run starts
+    env.close()
+    return env
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -178,7 +201,9 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # EnvPool frames are NCHW uint8
+        if x.shape[1] < x.shape[-1]:  # EnvPool's frames are channels first (NCHW); Gymnasium's are often last
+            x = jnp.transpose(x, (0, 2, 3, 1))
+        x = x.astype(jnp.float32) / 255.0
         for channels in (16, 32, 32):
             x = nn.Conv(channels, kernel_size=(3, 3))(x)
             x = max_pool(x)
@@ -200,6 +225,7 @@ class MLP(nn.Module):
     q_network: bool = False  # PQN's tower (README, "PQN": tanh and 64 units fall short on CartPole)
     masked: tuple = ()  # --mask-obs: components of a vector observation the agent does not see
     view_size: int = 0  # --view-size: the cells of MiniGrid's grid the agent sees, one-hot and flattened (no CNN)
+    cell_ids: bool = True  # a dict's uint8 grids: MiniGrid's cell ids (EnvPool's), else images (channels last)
 
     @nn.compact
     def __call__(self, obs):
@@ -218,7 +244,8 @@ class MLP(nn.Module):
                 x = x[:, 3 - self.view_size // 2 : 4 + self.view_size // 2, 7 - self.view_size :]
                 features.append(jax.nn.one_hot(x, 11).reshape(x.shape[0], -1))
             elif x.ndim == 4:  # MiniGrid's cells: ids (object type, colour, state; all below 11), categories: one-hot
-                x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(jax.nn.one_hot(x, 11).reshape(*x.shape[:3], -1)))
+                x = jax.nn.one_hot(x, 11).reshape(*x.shape[:3], -1) if self.cell_ids else x / 255.0
+                x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(x))
                 x = nn.max_pool(x, (2, 2), strides=(2, 2))
                 for channels in (32, 64):
                     x = nn.relu(nn.Conv(channels, (2, 2), padding="VALID")(x))
@@ -274,13 +301,14 @@ def make_networks(args: Args, spec) -> Networks:
     tower), with LayerNorm, which is what lets PQN do without a target network (Gallici et al., 2024);
     --lstm-size puts an LSTM between the torso and the Q-values."""
     space = spec.observation_space
-    parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
+    parts = dict(sorted(space.spaces.items())) if isinstance(space, gymnasium.spaces.Dict) else {"": space}
     # A dict's discrete values (Discrete(n): shape ()) are one-hot encoded; n of MultiBinary is a shape.
     discrete_sizes = tuple(getattr(part, "n", 0) if part.shape == () else 0 for part in parts.values())
     if len(space.shape or ()) == 3:
         torso = ResNet(q_network=True)
     else:
-        torso = MLP(discrete_sizes, q_network=True, masked=tuple(args.mask_obs), view_size=args.view_size)
+        cells = dict(view_size=args.view_size, cell_ids=not gymnasium_backend(args))  # (MiniGrid's, or images)
+        torso = MLP(discrete_sizes, q_network=True, masked=tuple(args.mask_obs), **cells)
     core = LSTMCore(args.lstm_size) if args.lstm_size else None
     q_head = nn.Dense(spec.action_space.n, kernel_init=nn.initializers.orthogonal(1.0))
     convolutional = any(len(part.shape or ()) == 3 for part in parts.values()) and not args.view_size
@@ -373,8 +401,9 @@ def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
     observe_step = jax.jit(functools.partial(observe, args))
     bootstrap = jax.jit(bootstrap)
     stack = jax.jit(jnp.stack)  # a field's steps in one call: jnp.stack alone dispatches each step's array (slow)
-    action_dtype = pools[0].spec.action_array_spec["action"].dtype
-    if platform == "cpu" and len(pools) == 1:
+    action_dtype = pools[0].action_space.dtype
+    if platform == "cpu" and len(pools) == 1 and hasattr(pools[0], "xla"):  # (a Gymnasium pool steps in turns)
+        action_dtype = pools[0].spec.action_array_spec["action"].dtype  # its XLA step's
         with jax.enable_x64(True):  # MuJoCo takes and gives float64, which JAX traces with x64 on only
             handle, _, _, xla_step = pools[0].xla()
 
@@ -647,7 +676,7 @@ def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoin
 def main(args: Args):
     signals = StopSignals()  # SIGTERM (preemption), SIGINT (Ctrl-C): a checkpoint after the update, then exit
     cfg, run_name, checkpoint, lock = start_up(args)  # the run directory's lock, held until main returns
-    spec = envpool.make_spec(args.env_id, **env_options(args))
+    spec = env_spec(args)
     networks = make_networks(args, spec)
     state, schedule = init_train_state(args, cfg, networks, spec.observation_space)
     state, start_update = resume(cfg, state, checkpoint, run_name)
@@ -737,29 +766,32 @@ def check_args(args: Args):
         raise ConfigError("--exploration-fraction must be positive (--start-e equal to --end-e keeps epsilon constant)")
     if args.num_steps % args.num_minibatches:  # each minibatch takes as many steps from every environment
         raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide --num-steps {args.num_steps}")
-    if args.env_id not in envpool.list_all_envs():
+    if args.env_backend == "envpool" and args.env_id not in envpool.list_all_envs():
         raise ConfigError(f"--env-id {args.env_id!r} is not an EnvPool environment (see envpool.list_all_envs())")
     if (args.num_levels or args.start_level) and not args.env_id.endswith(("Easy-v0", "Hard-v0")):  # Procgen's ids
         raise ConfigError(f"--num-levels and --start-level choose Procgen's levels; --env-id {args.env_id} has none")
     if args.frame_stack != Args.frame_stack and (args.frame_stack < 1 or not args.env_id.endswith("-v5")):
         raise ConfigError(f"--frame-stack {args.frame_stack}: a positive number of frames, for Atari (-v5) ids only")
-    try:  # EnvPool imports a family's module when it makes its first spec (Procgen needs the Qt 5 runtime)
-        spec = envpool.make_spec(args.env_id, **env_options(args))
-    except (ImportError, RuntimeError) as error:
-        raise ConfigError(f"--env-id {args.env_id}: EnvPool cannot make it: {str(error).splitlines()[0]}") from None
+    try:  # EnvPool imports a family's module with its first spec (Procgen needs Qt 5), Gymnasium a module:Env's
+        spec = env_spec(args)
+    except Exception as error:  # whatever the environment's code raises
+        first_line = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise ConfigError(f"--env-id {args.env_id}: cannot make it: {first_line}") from None
     space = spec.observation_space  # what the Q-network can encode and act on, and the flags that apply to it
-    parts = dict(sorted(space.spaces.items())) if hasattr(space, "spaces") else {"": space}
+    parts = dict(sorted(space.spaces.items())) if isinstance(space, gymnasium.spaces.Dict) else {"": space}
     for part in parts.values():
         rank = len(part.shape or ())
         discrete = hasattr(part, "n") and part.shape == () and part is not space  # a dict's discrete value
-        frames = rank == 3 and part is space and part.dtype == np.uint8 and part.shape[0] < min(part.shape[1:])
-        grid = rank == 3 and part is not space and part.dtype == np.uint8  # a dict's grid of cell ids (MiniGrid's)
+        channels = min(part.shape[0], part.shape[-1]) if rank == 3 else 0  # first (EnvPool's) or last (Gymnasium's)
+        frames = rank == 3 and part is space and part.dtype == np.uint8 and channels < part.shape[1]
+        grid = rank == 3 and part is not space and part.dtype == np.uint8  # a dict's cell ids (MiniGrid's), or image
         if not (rank == 1 or discrete or frames or grid):
-            what = "vectors, uint8 frames (channels first) and dicts of vectors, discrete values and uint8 grids"
+            what = "vectors, uint8 frames or images and dicts of vectors, discrete values and uint8 grids or images"
             raise ConfigError(f"--env-id {args.env_id}: the networks encode {what}, not {part}")
-    if not hasattr(spec.action_space, "n"):
-        raise ConfigError(f"--env-id {args.env_id}: Q-learning picks the best of a discrete set of actions, not a Box")
-    if getattr(spec.config, "max_num_players", 1) > 1:
+    actions = spec.action_space
+    if not (isinstance(actions, gymnasium.spaces.Discrete) and actions.start == 0):
+        raise ConfigError(f"--env-id {args.env_id}: Q-learning picks one of the actions 0 to n - 1, not {actions}")
+    if not gymnasium_backend(args) and getattr(spec.config, "max_num_players", 1) > 1:
         raise ConfigError(f"--env-id {args.env_id}: a game of several players; the scripts train one agent")
     if args.mask_obs and (len(space.shape or ()) != 1 or not all(0 <= i < space.shape[0] for i in args.mask_obs)):
         raise ConfigError(f"--mask-obs {args.mask_obs}: components 0 to n - 1 of a vector observation; here {space}")
@@ -960,6 +992,82 @@ def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
     return dict(num_threads=share, thread_affinity_offset=cpus[first] if consecutive else -1)
 
 
+def gymnasium_worker(env_id: str, num_envs: int, cpu: int, connection, options: dict):
+    """A Gymnasium pool's worker process: its envs (a SyncVectorEnv: next-step autoreset, as EnvPool's) answer the
+    actor thread's calls; an environment's error goes back in one line, with where it was raised."""
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the training process's to handle: it then ends this one
+        signal.signal(signum, signal.SIG_IGN)
+    if cpu >= 0:
+        os.sched_setaffinity(0, [cpu])
+    envs = gymnasium.vector.SyncVectorEnv([functools.partial(gymnasium.make, env_id, **options)] * num_envs)
+    connection.send(envs.single_action_space)
+    with contextlib.suppress(EOFError):  # the training process has ended
+        while True:
+            method, kwargs = connection.recv()
+            try:
+                answer = getattr(envs, method)(**kwargs)
+            except Exception as error:  # whatever the environment raises
+                where = traceback.extract_tb(error.__traceback__)[-1]
+                raised = f"{method} raised {type(error).__name__} ({where.filename}:{where.lineno})"
+                answer = ChildProcessError(f"--env-id {env_id}: {raised}: {error}".splitlines()[0])
+            connection.send(answer)
+
+
+class GymnasiumPool:
+    """An actor thread's Gymnasium environments with EnvPool's reset, send, recv (without its infos) and render:
+    `num_threads` worker processes (from a fork server: none inherits this process's threads or lock), pinned as
+    EnvPool's threads are, step a share of the envs each; env i is seeded seed + i, as in EnvPool."""
+
+    def __init__(self, env_id: str, num_envs: int, seed: int, num_threads=1, thread_affinity_offset=-1, **options):
+        self.env_id = env_id
+        self.shares = np.array_split(np.arange(num_envs), min(num_threads, num_envs))  # each worker's envs
+        self.seeds = [dict(seed=seed + int(share[0])) for share in self.shares]  # for the first reset
+        self.connections = []
+        context = multiprocessing.get_context("forkserver")
+        for worker, share in enumerate(self.shares):
+            cpu = thread_affinity_offset + worker if thread_affinity_offset >= 0 else -1
+            ours, theirs = context.Pipe()
+            process = context.Process(target=gymnasium_worker, args=(env_id, len(share), cpu, theirs, options))
+            process.start()
+            theirs.close()  # the worker's end now: its death ends the pipe
+            atexit.register(process.kill)  # (it ignores SIGTERM)
+            self.connections.append(ours)
+        self.action_space = self.gather()[0]
+
+    def tell(self, method: str, kwargs_of_each: list[dict]):  # a call to each worker; gather() reads the answers
+        for connection, kwargs in zip(self.connections, kwargs_of_each, strict=True):
+            connection.send((method, kwargs))
+
+    def gather(self) -> list:  # each worker's answer, in order; an environment's error is raised here
+        try:
+            answers = [connection.recv() for connection in self.connections]
+        except EOFError:  # killed, or its environment crashed the interpreter
+            raise ChildProcessError(f"--env-id {self.env_id}: a worker process of its environments died") from None
+        for answer in answers:
+            if isinstance(answer, ChildProcessError):
+                raise answer
+        return answers
+
+    def reset(self):
+        self.tell("reset", self.seeds)
+        self.seeds = [{}] * len(self.shares)  # a later reset goes on with each env's random numbers, as EnvPool's
+        return concatenated([obs for obs, _ in self.gather()]), {}
+
+    def send(self, actions: np.ndarray):
+        self.tell("step", [dict(actions=actions[share]) for share in self.shares])
+
+    def recv(self):
+        return *concatenated([answer[:4] for answer in self.gather()]), {}
+
+    def render(self) -> list:  # each env's frame (render_mode="rgb_array")
+        self.tell("render", [{}] * len(self.shares))
+        return [frame for frames in self.gather() for frame in frames]
+
+
+def concatenated(parts: list):  # the workers' outputs (arrays, or dicts of them) as one batch of envs
+    return jax.tree.map(lambda *arrays: np.concatenate(arrays), *parts)
+
+
 @contextlib.contextmanager
 def timer(timings: dict, name: str):  # adds the block's wall-clock time to timings[name]
     start = time.perf_counter()
@@ -998,7 +1106,7 @@ class Actors:
             yield
         except StopRequested:
             pass
-        except FloatingPointError as error:  # a non-finite loss or state: the update and what, in one line
+        except (FloatingPointError, ChildProcessError) as error:  # a non-finite number, an environment's error
             self.failures.append(f"error: {error}")
             self.stop.set()
         except BaseException:

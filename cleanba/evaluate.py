@@ -36,6 +36,7 @@ with contextlib.suppress(OSError):
 
 import envpool
 import flax.serialization
+import gymnasium
 import imageio.v2 as imageio
 import jax
 import numpy as np
@@ -50,13 +51,30 @@ FRAMES_PER_SECOND = 30
 UNSEEN_LEVELS = 1_000_000  # --levels unseen: this many levels after the training levels (Procgen's seeds have 31 bits)
 
 
-def render_refusal(env_id: str) -> str | None:
-    """Why EnvPool cannot render `env_id` on this machine, or None (MuJoCo without EGL would stop the process)."""
+def render_refusal(env_id: str, backend: str | None = None) -> str | None:
+    """Why `env_id` cannot be rendered on this machine, or None: by EnvPool (MuJoCo without EGL would stop the process)
+    or, for an id EnvPool lacks (or --env-backend gymnasium), by Gymnasium as render_mode="rgb_array" frames."""
+    if backend == "gymnasium" or env_id not in envpool.registration.registry.specs:
+        return gymnasium_render_refusal(env_id)
     family = envpool.registration.registry.specs[env_id][0]
     if family not in RENDERING_FAMILIES:
         return f"{env_id}: recording is supported for {', '.join(RENDERING_FAMILIES)} ids, not {family}"
     if family.startswith("envpool.mujoco") and not ctypes.util.find_library("EGL"):
         return f"{env_id}: MuJoCo renders through EGL: install Debian's libegl1 and libegl-mesa0 (setup.sh as root)"
+    return None
+
+
+def gymnasium_render_refusal(env_id: str) -> str | None:
+    if os.getcwd() not in sys.path:  # a module:Env-v0 id's module, as the scripts import it
+        sys.path.append(os.getcwd())
+    try:
+        env = gymnasium.make(env_id, render_mode="rgb_array")
+        env.reset(seed=0)
+        frame = env.render()
+    except Exception as error:  # whatever the environment's code raises
+        return f"{env_id}: Gymnasium cannot render it (render_mode='rgb_array'): {type(error).__name__}: {error}"
+    if not (isinstance(frame, np.ndarray) and frame.ndim == 3 and frame.dtype == np.uint8):
+        return f"{env_id}: its render() gives no RGB frame (height x width x 3, uint8) with render_mode='rgb_array'"
     return None
 
 
@@ -86,7 +104,7 @@ def load_run(run_dir: str, seed: int | None = None, levels: str = "train"):
     if levels == "unseen":
         args.start_level += args.num_levels
         args.num_levels = UNSEEN_LEVELS
-    networks = script.make_networks(args, envpool.make_spec(args.env_id, **script.env_options(args)))
+    networks = script.make_networks(args, script.env_spec(args))
     return script, args, networks
 
 
@@ -156,7 +174,7 @@ class Recorder:
 
     def __init__(self, run_dir: str, seed: int | None = None, max_frames: int | None = None):
         self.script, self.args, networks = load_run(run_dir, seed)
-        if refusal := render_refusal(self.args.env_id):
+        if refusal := render_refusal(self.args.env_id, self.args.env_backend):
             raise RuntimeError(refusal)
         self.args.num_steps = 1
         self.max_frames = max_frames  # an episode longer than this is cut (its video ends there)
@@ -242,7 +260,7 @@ def main():
         trained_on = f"{run_args['env_id']} with --num-levels {run_args.get('num_levels', 0)}, every level"
         print(f"error: --levels unseen: the run trained on {trained_on}: none is unseen", file=sys.stderr)
         sys.exit(2)
-    if args.video and (refusal := render_refusal(run_args["env_id"])):
+    if args.video and (refusal := render_refusal(run_args["env_id"], run_args.get("env_backend"))):
         print(f"error: --video: {refusal}", file=sys.stderr)
         sys.exit(2)
     params = saved_params(args.run_dir, run_args["exp_name"])

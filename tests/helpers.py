@@ -15,7 +15,6 @@ import threading
 import time
 from typing import NamedTuple
 
-import envpool
 import flax.serialization
 import tyro
 
@@ -266,7 +265,7 @@ class Parts(NamedTuple):
 def script_parts(script, *flags) -> Parts:
     args = tyro.cli(script.Args, args=[str(flag) for flag in flags])
     script.check_args(args)
-    cfg, spec = script.derive_config(args), envpool.make_spec(args.env_id, **script.env_options(args))
+    cfg, spec = script.derive_config(args), script.env_spec(args)
     networks = script.make_networks(args, spec)
     state, _ = script.init_train_state(args, cfg, networks, spec.observation_space)
     state, _ = script.resume(cfg, state, checkpoint=None, run_name="")  # a fresh state, on the learner devices

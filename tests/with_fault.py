@@ -28,14 +28,6 @@ import numpy as np
 import tensorboardX.record_writer
 import tyro
 
-path = sys.argv[1]
-sys.argv = [path, *sys.argv[2:]]
-spec = importlib.util.spec_from_file_location(os.path.basename(path)[: -len(".py")], path)
-script = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(script)
-fault, _, due = os.environ["CLEANBA_FAULT"].partition("@")
-due = int(due)
-
 
 def announce():
     print(f"CLEANBA_FAULT: {fault} fault at update {due}", file=sys.stderr, flush=True)
@@ -140,17 +132,26 @@ def with_checkpoint_fault(checkpoint):
     return faulty_checkpoint
 
 
-if fault == "actor":
-    script.make_rollout = with_actor_fault(script.make_rollout)
-elif fault in ("learner", "nan", "inf"):
-    script.learn = with_learner_fault(script.learn)
-elif fault == "sigterm":
-    script.RunDir.log = with_stop_signal(script.RunDir.log)
-elif fault in ("journal", "torn", "events"):
-    script.RunDir.log = with_full_disk(script.RunDir.log)
-elif fault == "checkpoint":
-    script.RunDir.checkpoint = with_checkpoint_fault(script.RunDir.checkpoint)
-else:
-    sys.exit(f"CLEANBA_FAULT={os.environ['CLEANBA_FAULT']}: unknown fault")
-sys.stdout.reconfigure(line_buffering=True)
-script.main(tyro.cli(script.Args))
+if __name__ == "__main__":  # (not in the fork server of a Gymnasium pool, which imports this file)
+    path = sys.argv[1]
+    sys.argv = [path, *sys.argv[2:]]
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[: -len(".py")], path)
+    script = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(path))  # where a Gymnasium pool's worker processes import the script from
+    spec.loader.exec_module(script)
+    fault, _, due = os.environ["CLEANBA_FAULT"].partition("@")
+    due = int(due)
+    if fault == "actor":
+        script.make_rollout = with_actor_fault(script.make_rollout)
+    elif fault in ("learner", "nan", "inf"):
+        script.learn = with_learner_fault(script.learn)
+    elif fault == "sigterm":
+        script.RunDir.log = with_stop_signal(script.RunDir.log)
+    elif fault in ("journal", "torn", "events"):
+        script.RunDir.log = with_full_disk(script.RunDir.log)
+    elif fault == "checkpoint":
+        script.RunDir.checkpoint = with_checkpoint_fault(script.RunDir.checkpoint)
+    else:
+        sys.exit(f"CLEANBA_FAULT={os.environ['CLEANBA_FAULT']}: unknown fault")
+    sys.stdout.reconfigure(line_buffering=True)
+    script.main(tyro.cli(script.Args))
