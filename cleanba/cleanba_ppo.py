@@ -70,7 +70,7 @@ class Args:
     exp_name: Algorithm[str] = os.path.basename(__file__)[: -len(".py")]  # this experiment's name (in the run name)
     seed: Algorithm[int] = 1  # seed of the experiment: environments, action sampling, initialisation and minibatches
     # The algorithm's defaults are the paper's Atari settings.
-    env_id: Algorithm[str] = "Breakout-v5"  # an EnvPool id: Atari (*-v5), MuJoCo (HalfCheetah-v4), MiniGrid, CartPole
+    env_id: Algorithm[str] = "Breakout-v5"  # EnvPool's (Atari *-v5, HalfCheetah-v4, ...) or Gymnasium's (module:Env-v0)
     env_backend: Algorithm[Literal["envpool", "gymnasium"] | None] = None  # None: EnvPool if it has the id
     total_timesteps: Algorithm[int] = 50_000_000  # environment steps over all environments (not Atari frames)
     learning_rate: Algorithm[float] = 2.5e-4  # Adam's learning rate

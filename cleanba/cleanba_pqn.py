@@ -74,7 +74,7 @@ class Args:
     exp_name: Algorithm[str] = os.path.basename(__file__)[: -len(".py")]  # this experiment's name (in the run name)
     seed: Algorithm[int] = 1  # seed of the experiment: environments, action sampling, initialisation and minibatches
     # The algorithm's defaults are the paper's Atari settings (Gallici et al., 2024, appendix).
-    env_id: Algorithm[str] = "Breakout-v5"  # an EnvPool id with discrete actions: Atari (*-v5), MiniGrid, CartPole
+    env_id: Algorithm[str] = "Breakout-v5"  # discrete actions: EnvPool's (Atari *-v5, ...) or Gymnasium's (m:Env-v0)
     env_backend: Algorithm[Literal["envpool", "gymnasium"] | None] = None  # None: EnvPool if it has the id
     total_timesteps: Algorithm[int] = 10_000_000  # environment steps over all environments (not Atari frames)
     learning_rate: Algorithm[float] = 2.5e-4  # RAdam's learning rate
