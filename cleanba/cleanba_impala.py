@@ -105,6 +105,9 @@ class Args:
     wandb_project_name: Runtime[str] = "cleanba"  # the Weights & Biases project
     wandb_entity: Runtime[str | None] = None  # the Weights & Biases entity (team); None uses your default
     save_model: Runtime[bool] = False  # save the final parameters in the run directory (for cleanba/evaluate.py)
+    upload_model: Runtime[bool] = False  # share the finished run's agent on the Hugging Face Hub (cleanba/share.py)
+    hf_entity: Runtime[str | None] = None  # --upload-model: the Hub user or organisation; None: the token's user
+    hf_repo_name: Runtime[str | None] = None  # --upload-model: the repository; None: <env id>-<exp name>-seed<seed>
     capture_video: Runtime[bool] = False  # record the agent at each checkpoint: videos/, TensorBoard (record.py)
     log_frequency: Runtime[int] = 10  # log to TensorBoard and the console every this many updates
     run_name: Runtime[str | None] = None  # under runs/; default: env id, exp name, seed, config hash (a rerun resumes)
@@ -803,6 +806,8 @@ RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts an
 RUN_DIR_IN_USE = 73  # EX_CANTCREAT (sysexits.h): another copy of the command owns the run directory
 WRITE_FAILED = 74  # EX_IOERR (sysexits.h): an input/output error
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")  # --capture-video's recorder
+SHARER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share.py")  # --upload-model's folder and upload
+UPLOAD_FAILED = 69  # EX_UNAVAILABLE (sysexits.h): a finished run whose agent the Hub did not take (its folder kept)
 
 
 def check_args(args: Args):
@@ -879,6 +884,12 @@ def check_args(args: Args):
         what = "discrete actions or a bounded vector"
         raise ConfigError(f"--env-id {args.env_id}: the policy acts with {what}, not {actions}")
     networks = make_networks(args, spec)
+    if args.upload_model:  # cleanba/share.py checks the repository's name and finds a token before the run starts
+        command = [sys.executable, SHARER, "--check", json.dumps(dataclasses.asdict(args))]
+        check = subprocess.run(command, capture_output=True, text=True)
+        if check.returncode:
+            raise ConfigError(f"--upload-model: {check.stderr.strip()}")
+        args.save_model = True  # the model it shares
     if args.capture_video:  # cleanba/record.py knows what it can render here
         check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
         if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops
@@ -1540,6 +1551,9 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
     if cfg.rank == 0 and args.save_model and not failed and not preempted:
         save_model(args, run_dir.path, state.params, update)
     run_dir.close(finished=not failed and not preempted)
+    if cfg.rank == 0 and args.upload_model and not failed and not preempted:  # (share.py says what failed)
+        if subprocess.run([sys.executable, SHARER, run_dir.path, "--", *sys.argv], stdin=subprocess.DEVNULL).returncode:
+            sys.exit(UPLOAD_FAILED)
     if failed and args.distributed:  # (stderr is line-buffered: the tracebacks are out)
         os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
     if failed or preempted:

@@ -3,6 +3,7 @@ intact checkpoint's parameters: the policy's actions sampled as the actors sampl
 run's final --end-e); with --video, records them.
 
     python cleanba/evaluate.py runs/<run_name> [--episodes 10] [--seed 1] [--levels unseen] [--video] [--gif]
+    python cleanba/evaluate.py <entity>/<name>          # an agent shared on the Hugging Face Hub (--upload-model)
 
 The run's config.json names its script and arguments: this tool loads the script as a module, rebuilds its
 networks, reads the parameters (the normalisation statistics included) and plays on an environment whose global index
@@ -37,6 +38,7 @@ with contextlib.suppress(OSError):
 import envpool
 import flax.serialization
 import gymnasium
+import huggingface_hub
 import imageio.v2 as imageio
 import jax
 import numpy as np
@@ -223,7 +225,11 @@ def write_video(path: str, frames: list[np.ndarray]):
 def parse_args(argv=None):
     """The flags, checked (what needs no run directory); exits 2 on bad input."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a run directory: config.json, and the model of --save-model or a checkpoint")
+    parser.add_argument(
+        "run_dir",
+        help="a run directory (config.json, and the model of --save-model or a checkpoint), the folder --upload-model "
+        "writes, or a Hugging Face Hub repository id <entity>/<name> of one",
+    )
     parser.add_argument("--episodes", type=int, default=10, help="episodes to play")
     parser.add_argument("--seed", type=int, default=None, help="another seed than the run's (environments, actions)")
     parser.add_argument(
@@ -249,8 +255,40 @@ def parse_args(argv=None):
     return args
 
 
+def shared_folder(source: str) -> str:
+    """A run directory, or the folder of an agent shared with --upload-model: a Hub repository id (downloaded to
+    runs/hub/<entity>__<name>/) or that folder on disk, whose script must be this checkout's (its weights fit that
+    script's networks). Exit 2 (69: the Hub unreachable) and one line otherwise."""
+    if not os.path.isdir(source) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        local = os.path.join("runs", "hub", source.replace("/", "__"))
+        try:
+            huggingface_hub.snapshot_download(source, local_dir=local)
+        except Exception as error:  # not found, offline, refused: whatever the Hub's client raises
+            first_line = f"{type(error).__name__}: {error}".splitlines()[0]
+            print(f"error: {source} is no directory here, and the Hub did not give it ({first_line})", file=sys.stderr)
+            sys.exit(69)
+        source = local
+    card = os.path.join(source, "README.md")
+    if os.path.isfile(card) and os.path.isfile(os.path.join(source, "config.json")):
+        with open(os.path.join(source, "config.json")) as f:
+            script = json.load(f)["script"]
+        library = huggingface_hub.ModelCard.load(card).data.library_name
+        shared = os.path.join(source, script)
+        ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+        if library != "cleanba" or not os.path.isfile(shared):
+            print(f"error: {source}: its model card names no agent of Cleanba's scripts", file=sys.stderr)
+            sys.exit(2)
+        with open(shared, "rb") as f, open(ours, "rb") as g:
+            if f.read() != g.read():
+                fix = f"play it with the version of {script} in the folder (its commit), or train it again"
+                print(f"error: {source} was trained by another version of cleanba/{script}: {fix}", file=sys.stderr)
+                sys.exit(2)
+    return source
+
+
 def main():
     args = parse_args()
+    args.run_dir = shared_folder(args.run_dir)
     if not os.path.isfile(os.path.join(args.run_dir, "config.json")):
         print(f"error: {args.run_dir} holds no config.json: not a run directory of the scripts", file=sys.stderr)
         sys.exit(2)

@@ -195,9 +195,10 @@ def check_command(name: str, argv: tuple[str, ...]) -> str:
         return "" if status == 0 else refusal(output) or f"exit {status}"
     if name in SCRIPTS:
         script = load_script(SCRIPTS[name])
-        # --capture-video's check starts cleanba/record.py (~2 s); tests/test_videos.py runs it.
+        # --capture-video's check starts cleanba/record.py (~2 s), --upload-model's cleanba/share.py, which needs the
+        # reader's token: tests/test_videos.py and tests/test_share.py run them.
         try:
-            script.check_args(dataclasses.replace(args, capture_video=False))
+            script.check_args(dataclasses.replace(args, capture_video=False, upload_model=False))
         except script.ConfigError as error:
             return f"error: {error}"
     if name == "launch.py":

@@ -111,10 +111,11 @@ def test_layout_is_recorded(two_learners_run):
     assert layout["actor_devices"] == ["cpu:0"] and layout["learner_devices"] == ["cpu:1", "cpu:2"]
 
 
-def run_evaluate(run_dir, *flags, cwd=None) -> subprocess.CompletedProcess:
-    """cleanba/evaluate.py on a run directory, as a user runs it (from `cwd`: where a Gymnasium id's module is)."""
+def run_evaluate(run_dir, *flags, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """cleanba/evaluate.py on a run directory (or an agent shared on the Hub), as a user runs it, from `cwd` (where a
+    Gymnasium id's module is)."""
     command = [sys.executable, os.path.join(REPO, "cleanba", "evaluate.py"), run_dir, *map(str, flags)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
 def evaluate(run_dir, episodes: int) -> list[float]:
