@@ -178,7 +178,7 @@ def gymnasium_backend(args: Args) -> bool:  # --env-backend, or by default EnvPo
 
 def env_spec(args: Args):
     """One environment's observation and action spaces: EnvPool's spec, or a Gymnasium environment made and reset
-    (a module:Env-v0 id imports its module from the working directory too, as `python -m` would)."""
+    (a module:Env-v0 id imports its module from the working directory too, after the installed packages)."""
     if not gymnasium_backend(args):
         return envpool.make_spec(args.env_id, **env_options(args))
     if os.getcwd() not in sys.path:
@@ -249,10 +249,11 @@ class MLP(nn.Module):
                 features.append(jax.nn.one_hot(x, 11).reshape(x.shape[0], -1))
             elif x.ndim == 4:  # MiniGrid's cells: ids (object type, colour, state; all below 11), categories: one-hot
                 x = jax.nn.one_hot(x, 11).reshape(*x.shape[:3], -1) if self.cell_ids else x / 255.0
-                x = nn.relu(nn.Conv(16, (2, 2), padding="VALID")(x))
+                padding = "VALID" if self.cell_ids else "SAME"  # (an image of any size keeps some features)
+                x = nn.relu(nn.Conv(16, (2, 2), padding=padding)(x))
                 x = nn.max_pool(x, (2, 2), strides=(2, 2))
                 for channels in (32, 64):
-                    x = nn.relu(nn.Conv(channels, (2, 2), padding="VALID")(x))
+                    x = nn.relu(nn.Conv(channels, (2, 2), padding=padding)(x))
                 features.append(x.reshape(x.shape[0], -1))
             else:
                 features.append(x / 255.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32))
@@ -764,8 +765,9 @@ def main(args: Args):
     state, start_update = resume(cfg, state, checkpoint, run_name)
     if start_update == cfg.num_updates:
         print(f"run {run_name} already finished {cfg.num_updates} updates; nothing to train ({RESUME_WAYS_OUT})")
-        if args.save_model and cfg.rank == 0:  # its model, if the first run could not write it
+        if args.save_model and cfg.rank == 0:  # its model, if the first run could not write it; --upload-model: shared
             save_model(args, f"runs/{run_name}", state.params, start_update)
+            share(args, f"runs/{run_name}")
         return
     run_dir = RunDir(args, cfg, run_name, start_update, schedule, checkpoint)
     update_fn = make_update(args, cfg, networks)
@@ -809,7 +811,6 @@ RUN_DIR_IN_USE = 73  # EX_CANTCREAT (sysexits.h): another copy of the command ow
 WRITE_FAILED = 74  # EX_IOERR (sysexits.h): an input/output error
 RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")  # --capture-video's recorder
 SHARER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share.py")  # --upload-model's folder and upload
-UPLOAD_FAILED = 69  # EX_UNAVAILABLE (sysexits.h): a finished run whose agent the Hub did not take (its folder kept)
 
 
 def check_args(args: Args):
@@ -895,8 +896,9 @@ def check_args(args: Args):
         if check.returncode:
             raise ConfigError(f"--upload-model: {check.stderr.strip()}")
         args.save_model = True  # the model it shares
-    if args.capture_video:  # cleanba/record.py knows what it can render here
-        check = subprocess.run([sys.executable, RECORDER, "--check", args.env_id], capture_output=True, text=True)
+    if args.capture_video:  # cleanba/record.py knows what it can render here, with the backend the run uses
+        recorder = [sys.executable, RECORDER, "--check", args.env_id, str(args.env_backend)]
+        check = subprocess.run(recorder, capture_output=True, text=True)
         if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops
             raise ConfigError(f"--capture-video: {check.stderr.strip()}")
     args.norm_obs = networks.continuous if args.norm_obs is None else args.norm_obs
@@ -973,7 +975,7 @@ def start_up(args: Args) -> tuple[Config, str, dict | None]:
     # The name's hash covers the values that differ from their defaults: a new field at its default renames nothing.
     named = {k: v for k, v in config.items() if k not in DEFAULTS or v != DEFAULTS[k]}
     digest = hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:8]
-    run_name = args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{digest}"
+    run_name = args.run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{digest}"
     lock = own(f"runs/{run_name}", cfg)  # before anything there is read or written
     paths = saved_checkpoints(f"runs/{run_name}")  # whatever --keep-checkpoints says now
     checkpoint = read_checkpoint(paths, run_name, config) if args.resume and paths else None
@@ -1131,7 +1133,7 @@ class GymnasiumPool:
             process = context.Process(target=gymnasium_worker, args=(env_id, len(share), cpu, theirs, options))
             process.start()
             theirs.close()  # the worker's end now: its death ends the pipe
-            atexit.register(process.kill)  # (it ignores SIGTERM)
+            atexit.register(lambda worker=process: worker.is_alive() and worker.kill())  # (it ignores SIGTERM)
             self.connections.append(ours)
         self.action_space = self.gather()[0]
 
@@ -1527,6 +1529,13 @@ def save_model(args: Args, run_path: str, params, update: int):  # for cleanba/e
     print(f"model saved to {path} (evaluate: cleanba/evaluate.py {run_path})")
 
 
+def share(args: Args, run_path: str):  # --upload-model: cleanba/share.py makes the agent's folder and uploads it
+    if args.upload_model:
+        shared = subprocess.run([sys.executable, SHARER, run_path, "--", *sys.argv], stdin=subprocess.DEVNULL)
+        if shared.returncode:  # (share.py said what failed; 69: the Hub did not take it, and how to upload it later)
+            sys.exit(shared.returncode)
+
+
 def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, state: TrainState, update: int):
     """Stops every thread and exits: 1 after a failure (its traceback once), 128 + signal after a stop signal."""
     actors.stop.set()
@@ -1553,9 +1562,8 @@ def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, st
     if cfg.rank == 0 and args.save_model and not failed and not preempted:
         save_model(args, run_dir.path, state.params, update)
     run_dir.close(finished=not failed and not preempted)
-    if cfg.rank == 0 and args.upload_model and not failed and not preempted:  # (share.py says what failed)
-        if subprocess.run([sys.executable, SHARER, run_dir.path, "--", *sys.argv], stdin=subprocess.DEVNULL).returncode:
-            sys.exit(UPLOAD_FAILED)
+    if cfg.rank == 0 and not failed and not preempted:
+        share(args, run_dir.path)
     if failed and args.distributed:  # (stderr is line-buffered: the tracebacks are out)
         os._exit(1)  # skips JAX's exit barrier, which would wait for processes stuck in a collective
     if failed or preempted:

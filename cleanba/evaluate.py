@@ -106,7 +106,15 @@ def load_run(run_dir: str, seed: int | None = None, levels: str = "train"):
     if levels == "unseen":
         args.start_level += args.num_levels
         args.num_levels = UNSEEN_LEVELS
-    networks = script.make_networks(args, script.env_spec(args))
+    try:  # a Gymnasium id's module must be importable here (a shared agent's is the author's: bring it)
+        spec = script.env_spec(args)
+    except Exception as error:  # whatever the environment's code raises
+        print(
+            f"error: {run_dir}: --env-id {args.env_id}: cannot make it: {type(error).__name__}: {error}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    networks = script.make_networks(args, spec)
     return script, args, networks
 
 
@@ -218,8 +226,11 @@ def write_video(path: str, frames: list[np.ndarray]):
         small = [frame[::scale, ::scale] for frame in frames[::step]]
         imageio.mimwrite(path, small, duration=1000 * step / FRAMES_PER_SECOND, loop=0)
         return
-    # macro_block_size 1: frames at their own size (EnvPool's are even-sized, as H.264's pixel format needs).
-    imageio.mimwrite(path, frames, fps=FRAMES_PER_SECOND, macro_block_size=1)
+    # macro_block_size 1: frames at their own size, padded to even sizes (H.264's pixel format needs them; EnvPool's
+    # frames are, a Gymnasium environment's may not be).
+    height, width = frames[0].shape[:2]
+    even = [np.pad(frame, ((0, height % 2), (0, width % 2), (0, 0))) for frame in frames]
+    imageio.mimwrite(path, even, fps=FRAMES_PER_SECOND, macro_block_size=1)
 
 
 def parse_args(argv=None):
@@ -256,13 +267,17 @@ def parse_args(argv=None):
 
 
 def shared_folder(source: str) -> str:
-    """A run directory, or the folder of an agent shared with --upload-model: a Hub repository id (downloaded to
-    runs/hub/<entity>__<name>/) or that folder on disk, whose script must be this checkout's (its weights fit that
-    script's networks). Exit 2 (69: the Hub unreachable) and one line otherwise."""
-    if not os.path.isdir(source) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
-        local = os.path.join("runs", "hub", source.replace("/", "__"))
+    """A run directory, or the folder of an agent shared with --upload-model: a Hub repository id (its card, config,
+    model and script downloaded to runs/hub-downloads/<entity>__<name>/, a path no dotted module name reaches: a
+    module of the download is never imported) or that folder on disk, whose script must be this checkout's (its
+    weights fit that script's networks). Exit 2 (69: the Hub did not give it) and one line otherwise."""
+    first = source.split("/")[0]
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", source) and first not in ("runs", ".", "..") and not os.path.exists(first)
+    if hub_id:
+        local = os.path.join("runs", "hub-downloads", source.replace("/", "__"))
+        shared = ["README.md", "config.json", "*.cleanba_model", "cleanba_*.py"]
         try:
-            huggingface_hub.snapshot_download(source, local_dir=local)
+            huggingface_hub.snapshot_download(source, local_dir=local, allow_patterns=shared)
         except Exception as error:  # not found, offline, refused: whatever the Hub's client raises
             first_line = f"{type(error).__name__}: {error}".splitlines()[0]
             print(f"error: {source} is no directory here, and the Hub did not give it ({first_line})", file=sys.stderr)

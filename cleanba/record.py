@@ -1,7 +1,7 @@
 """Records the agent of a run while it trains: the training scripts' --capture-video starts it beside them.
 
     python cleanba/record.py runs/<run_name> TRAINING_PID
-    python cleanba/record.py --check ENV_ID     # exit 2 and one line if ENV_ID cannot be recorded here
+    python cleanba/record.py --check ENV_ID BACKEND  # exit 2 and one line if it cannot be recorded (--env-backend)
 
 Each time the run writes a checkpoint, this process plays one episode with the checkpoint's parameters (on an
 environment no training environment is, with the actors' own rollout program: see cleanba/evaluate.py), writes it to
@@ -77,8 +77,8 @@ def main(run_dir: str, parent: int):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--check":  # the scripts' --capture-video asks before a run starts
-        if refusal := render_refusal(sys.argv[2]):  # (an id EnvPool lacks: Gymnasium's)
+    if len(sys.argv) == 4 and sys.argv[1] == "--check":  # the scripts' --capture-video asks before a run starts
+        if refusal := render_refusal(sys.argv[2], sys.argv[3]):
             print(refusal, file=sys.stderr)
         sys.exit(2 if refusal else 0)
     if len(sys.argv) != 3 or not os.path.isfile(os.path.join(sys.argv[1], "config.json")) or not sys.argv[2].isdigit():

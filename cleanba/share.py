@@ -43,9 +43,11 @@ ALGORITHMS = {"cleanba_ppo.py": "PPO", "cleanba_impala.py": "IMPALA", "cleanba_p
 def repository(args: dict) -> str:
     """<entity>/<name>, or the name alone (the token's user is asked at the upload): --hf-entity and --hf-repo-name,
     the name by default <env id>-<exp name>-seed<seed> with what the Hub does not allow in a name made '-'."""
-    name = args.get("hf_repo_name") or f"{args['env_id']}-{args['exp_name']}-seed{args['seed']}"
-    if not args.get("hf_repo_name"):
-        name = re.sub(r"-{2,}", "-", re.sub(r"[^A-Za-z0-9_.-]", "-", name)).strip("-.")[:96]
+    name = args.get("hf_repo_name")
+    if not name:  # the env id's part cut short first, so that the seed stays in the name
+        suffix = f"-{args['exp_name']}-seed{args['seed']}"
+        env = re.sub(r"[-.]{2,}", "-", re.sub(r"[^A-Za-z0-9_.-]", "-", args["env_id"])).strip("-.")
+        name = re.sub(r"[-.]{2,}", "-", env[: 96 - len(suffix)].rstrip("-.") + suffix)
     return f"{args['hf_entity']}/{name}" if args.get("hf_entity") else name
 
 
@@ -85,7 +87,7 @@ def model_card(args: dict, script: str, returns: list[float], command: str, vide
         "## Play it",
         "",
         "```bash",
-        f".venv/bin/python cleanba/evaluate.py {args.get('hf_entity') or '<entity>'}/{repository(args).split('/')[-1]}"
+        f".venv/bin/python cleanba/evaluate.py {args.get('hf_entity') or '<user>'}/{repository(args).split('/')[-1]}"
         " --episodes 10",
         "```",
         "",

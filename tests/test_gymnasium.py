@@ -97,13 +97,13 @@ def test_impala_and_pqn_train_gymnasium_cartpole(tmp_path, algo):
     """IMPALA and PQN train Gymnasium's CartPole-v1 through the Gymnasium path: every update recorded, episodes ended
     and logged from the episodes themselves (CartPole's returns are their lengths)."""
     flags = "--env-id CartPole-v1 --env-backend gymnasium --local-num-envs 4 --num-steps 32 --log-frequency 1"
-    check(run(tmp_path, *flags.split(), "--total-timesteps", 20 * 256, algo=algo))
+    check(run(tmp_path, *flags.split(), "--total-timesteps", 10 * 256, algo=algo))
     run_dir = only_run(tmp_path)
     with open(os.path.join(run_dir, "updates.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    assert [r["update"] for r in records] == list(range(1, 21))
+    assert [r["update"] for r in records] == list(range(1, 11))
     episodes, returns, lengths = np.sum([r["episodes"] for r in records], axis=0)
-    assert episodes > 20 and returns == lengths
+    assert episodes > 10 and returns == lengths
     assert read_scalars(run_dir)["charts/episodic_return"]
 
 
@@ -128,7 +128,7 @@ def test_an_environment_that_fails_while_training_ends_the_run_in_one_line(tmp_p
     """An environment's exception in a worker process: exit 1, the error in one line naming the environment, the call
     and where it was raised; no traceback, and no process of the run left behind."""
     cwd = user_dir(tmp_path)
-    proc = start(cwd, "--env-id", "user_envs:FailsOnStep-v0", "--local-num-envs", 4, "--num-steps", 16)
+    proc = start(cwd, "--env-id", "user_envs:FailsOnStep-v0", "--local-num-envs", 2, "--num-steps", 8)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 1, output[-3000:]
     error = r"error: --env-id user_envs:FailsOnStep-v0: step raised RuntimeError \(.*/user_envs.py:[0-9]+\): "
@@ -168,10 +168,25 @@ def test_a_refusal_as_a_user_sees_it(tmp_path):
     assert result.returncode == 2 and "is not an EnvPool environment" in result.stderr
 
 
-def test_the_resnet_reads_images_channels_first_or_last():
-    """EnvPool's frames are channels first, Gymnasium's images usually last: the ResNet sees the same pixels."""
-    resnet = load_script("ppo").ResNet()
+def test_the_networks_read_gymnasium_images():
+    """EnvPool's frames are channels first, Gymnasium's images usually last: the ResNet sees the same pixels. A Dict's
+    small image (Seeker's 6 x 6) keeps features in the MLP's CNN (MiniGrid's 7 x 7 cell ids keep their own layers)."""
+    script = load_script("ppo")
+    resnet = script.ResNet()
     first = np.random.default_rng(0).integers(0, 256, (2, 3, 12, 12), dtype=np.uint8)
     last = np.moveaxis(first, 1, -1)
     params = resnet.init(jax.random.key(0), first)
     np.testing.assert_allclose(resnet.apply(params, first)[0], resnet.apply(params, last)[0], rtol=1e-5, atol=1e-6)
+    mlp = script.MLP((0, 0), cell_ids=False)
+    obs = dict(image=np.zeros((2, 6, 6, 3), np.uint8), position=np.zeros((2, 2), np.float32))
+    first_layer = jax.tree.leaves(mlp.init(jax.random.key(0), obs)["params"]["Dense_0"])[-1]  # (inputs, units)
+    assert first_layer.shape[0] > 2  # the image's features, and the position's 2
+
+
+def test_capture_video_is_refused_for_what_the_backend_cannot_render(monkeypatch, tmp_path):
+    """--capture-video asks the backend the run uses: Gymnasium's CartPole renders only with pygame, not installed."""
+    monkeypatch.chdir(tmp_path)
+    script = load_script("ppo")
+    flags = ["--env-id", "CartPole-v1", "--env-backend", "gymnasium", "--capture-video"]
+    with pytest.raises(script.ConfigError, match="--capture-video: CartPole-v1: Gymnasium cannot render it"):
+        script.check_args(tyro.cli(script.Args, args=flags))

@@ -62,6 +62,9 @@ def test_the_original_cleanbas_command_shares_a_finished_run(tmp_path):
     mean, std = map(float, evaluation.metric_value.split(" +/- "))
     assert 9 <= mean <= 500 and std >= 0
 
+    again = run(tmp_path, *ORIGINAL, *SMALL, env=offline(tmp_path))  # a finished run's command shares it again
+    assert again.returncode == 69 and "already finished" in again.stdout and "share.py: uploading" in again.stdout
+
     with open(os.path.join(folder, "cleanba_ppo.py"), "a") as f:  # the folder of another version of the script
         f.write("# changed\n")
     refused = run_evaluate(folder, cwd=tmp_path)
@@ -84,7 +87,10 @@ def test_upload_model_is_refused_before_the_run_starts(tmp_path, flags, token, r
 
 
 def test_a_shared_agent_the_hub_does_not_give_is_one_line(tmp_path):
-    """A Hub id evaluate.py cannot download (offline here): one line and exit 69, never a traceback."""
+    """A Hub id evaluate.py cannot download (offline here): one line and exit 69, never a traceback; a mistyped run
+    directory is not taken for a Hub id."""
     result = run_evaluate("cleanrl/CartPole-v1-cleanba_ppo-seed1", cwd=tmp_path, env=offline(tmp_path))
     assert result.returncode == 69 and result.stderr.count("\n") == 1, result.stderr
     assert "the Hub did not give it" in result.stderr
+    mistyped = run_evaluate("runs/CartPole-v1__typo", cwd=tmp_path, env=offline(tmp_path))  # a path, not a Hub id
+    assert mistyped.returncode == 2 and "holds no config.json" in mistyped.stderr

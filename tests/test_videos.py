@@ -54,8 +54,11 @@ def test_evaluate_records_playable_videos(sync_run, tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         f"error: {model_only} holds no config.json: not a run directory of the scripts"
     ]
-    unknown = subprocess.run([sys.executable, RECORD, "--check", "NoSuchGame-v5"], capture_output=True, text=True)
-    assert unknown.returncode == 2 and unknown.stderr == "NoSuchGame-v5: not an EnvPool environment\n"
+    unknown = subprocess.run(
+        [sys.executable, RECORD, "--check", "NoSuchGame-v5", "None"], capture_output=True, text=True
+    )
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1  # neither EnvPool's nor Gymnasium's
+    assert unknown.stderr.startswith("NoSuchGame-v5: Gymnasium cannot render it") and "NameNotFound" in unknown.stderr
 
 
 @pytest.mark.parametrize("algo", ["ppo"], indirect=True)

@@ -46,8 +46,8 @@ class FailsOnReset(Seeker):
 
 
 class FailsOnStep(Seeker):
-    def step(self, action):  # after 100 steps of this env
-        if getattr(self, "total_steps", 0) == 100:
+    def step(self, action):  # after 20 steps of this env
+        if getattr(self, "total_steps", 0) == 20:
             raise RuntimeError("the simulator lost its connection\nsecond line of its message")
         self.total_steps = getattr(self, "total_steps", 0) + 1
         return super().step(action)
