@@ -163,7 +163,8 @@ def on_actor_axis(params):  # the device axis the actors' rollout takes
     return jax.tree.map(lambda x: np.asarray(x)[None], params)
 
 
-def evaluate(run_dir: str, params, episodes: int, seed: int | None = None, levels: str = "train") -> list[float]:
+def evaluate(run_dir: str, params, episodes: int, seed: int | None = None, levels: str = "train", max_steps=None):
+    """The returns of `episodes` episodes, fewer if `max_steps` steps end first (an environment with no time limit)."""
     script, args, networks = load_run(run_dir, seed, levels)
     if levels == "unseen":
         print(f"unseen levels: {args.start_level} to {args.start_level + args.num_levels - 1}")
@@ -171,8 +172,10 @@ def evaluate(run_dir: str, params, episodes: int, seed: int | None = None, level
     handle, rollout = script.make_rollout(args, networks, [envs], jax.default_backend())
     states = [script.first_state(envs, handle, np.array([EVAL_ENV_INDEX]), 0, networks)]
     returns = []
-    while len(returns) < episodes:  # the returns of the episodes that ended in each rollout, in order
+    steps = 0
+    while len(returns) < episodes and (max_steps is None or steps < max_steps):  # each rollout's episodes, in order
         states, batch = rollout(params, states)
+        steps += args.num_steps
         batch = jax.device_get(batch)
         returns += batch["episode_returns"][batch["dones"] & batch["valid"]].tolist()
     return returns[:episodes]

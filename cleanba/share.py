@@ -36,6 +36,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 UPLOAD_FAILED = 69  # EX_UNAVAILABLE (sysexits.h), as the training scripts report it
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPISODES = 10  # evaluation episodes in the model card
+EVALUATION_STEPS = 100_000  # at most: an environment without a time limit may never end an episode
 VIDEO_FRAMES = 1_000  # the replay's length at most
 ALGORITHMS = {"cleanba_ppo.py": "PPO", "cleanba_impala.py": "IMPALA", "cleanba_pqn.py": "PQN"}
 
@@ -122,7 +123,10 @@ def make_folder(run_dir: str, command: str) -> tuple[str, dict]:
     if os.path.exists(os.path.join(REPO, "poetry.lock")):
         shutil.copy(os.path.join(REPO, "poetry.lock"), folder)
     params = saved_params(run_dir, args["exp_name"])
-    returns = evaluate(run_dir, params, EPISODES)
+    returns = evaluate(run_dir, params, EPISODES, max_steps=EVALUATION_STEPS)
+    if not returns:
+        print(f"error: --upload-model: no episode ended in {EVALUATION_STEPS:,} evaluation steps", file=sys.stderr)
+        sys.exit(1)
     video = render_refusal(args["env_id"], args.get("env_backend")) is None
     if video:
         frames, _ = Recorder(run_dir, max_frames=VIDEO_FRAMES).episode(params)
