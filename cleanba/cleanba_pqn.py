@@ -171,23 +171,6 @@ def make_env(args: Args, num_envs: int, first_env_index: int, **threads):
     return envpool.make(args.env_id, env_type="gym", num_envs=num_envs, seed=seed, **env_options(args), **threads)
 
 
-def gymnasium_backend(args: Args) -> bool:  # --env-backend, or by default EnvPool wherever it has the id
-    return args.env_backend == "gymnasium" or (args.env_backend is None and args.env_id not in envpool.list_all_envs())
-
-
-def env_spec(args: Args):
-    """One environment's observation and action spaces: EnvPool's spec, or a Gymnasium environment made and reset
-    (a module:Env-v0 id imports its module from the working directory too, after the installed packages)."""
-    if not gymnasium_backend(args):
-        return envpool.make_spec(args.env_id, **env_options(args))
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    env = gymnasium.make(args.env_id)
-    env.reset(seed=0)  # an environment that cannot reset is refused before the run starts
-    env.close()
-    return env
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Networks
 def max_pool(x):  # nn.max_pool(x, (3, 3), (2, 2), "SAME") without select-and-scatter (slow with deterministic GPU ops)
@@ -992,6 +975,23 @@ def resume(cfg: Config, state: TrainState, checkpoint: dict | None, run_name: st
     for path in checkpoint["passed_over"] if checkpoint and cfg.rank == 0 else []:  # every process has read them
         os.replace(path, f"{path}.unusable")  # set aside: the next checkpoint must not move them back as usable
     return replicate(state, cfg), int(start_update)
+
+
+def gymnasium_backend(args: Args) -> bool:  # --env-backend, or by default EnvPool wherever it has the id
+    return args.env_backend == "gymnasium" or (args.env_backend is None and args.env_id not in envpool.list_all_envs())
+
+
+def env_spec(args: Args):
+    """One environment's observation and action spaces: EnvPool's spec, or a Gymnasium environment made and reset
+    (a module:Env-v0 id imports its module from the working directory too, after the installed packages)."""
+    if not gymnasium_backend(args):
+        return envpool.make_spec(args.env_id, **env_options(args))
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    env = gymnasium.make(args.env_id)
+    env.reset(seed=0)  # an environment that cannot reset is refused before the run starts
+    env.close()
+    return env
 
 
 def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
