@@ -130,8 +130,6 @@ class Args:
 
 
 class Config(NamedTuple):
-    """Values derived from Args and the hardware, computed and checked once, before anything starts."""
-
     world_size: int  # processes
     rank: int
     num_envs: int  # over all processes
@@ -379,11 +377,9 @@ def forward(networks: Networks, params, obs, core_state, reset_after) -> Outputs
 # rollout (make_rollout -> compile_rollout: act -> the envs' step -> observe, num_steps times, then bootstrap); per
 # update it calls rollout(params, states) and puts a Rollout on its queue; collate puts the threads' batches together.
 class Rollout(NamedTuple):
-    """What an actor thread puts on its rollout queue: one update's data from its environments."""
-
     version: int  # the policy version that collected the data (checked against the version contract)
     env_ids: np.ndarray  # global indices of the thread's environments
-    batch: dict  # host arrays, time-major: (num_steps, local_num_envs, ...)
+    batch: dict  # on the actor's device, time-major: (num_steps, local_num_envs, ...)
     timings: dict
 
 
@@ -712,21 +708,23 @@ def init_train_state(args: Args, cfg: Config, networks: Networks, observation_sp
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The main loop: the actors' batches in, an update, the new parameters out
-def collate(rollouts: list[Rollout], devices: int) -> dict:
-    """The actor threads' batches in global env order, in a block per local learner device: (devices, T, envs, ...)."""
-    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *[r.batch for r in rollouts])
+def collate(rollouts: list[Rollout], cfg: Config) -> dict:
+    """The actor threads' batches in global env order, a block per learner device: (devices, T, envs, ...). Device to
+    device, never through the host: put together on the first local learner device, then a block sent to each."""
+    devices = len(cfg.local_learner_devices)
+    batches = jax.device_put([rollout.batch for rollout in rollouts], cfg.local_learner_devices[0])
+    batch = jax.tree.map(lambda *threads: jnp.concatenate(threads, axis=1), *batches)
 
     def split(x):  # (T, envs, ...) -> (devices, T, envs / devices, ...); no -1: states of size 0 without a core
-        return np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)
+        return jnp.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)
 
     batch = jax.tree.map(split, batch)
     batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
-    return batch
+    return on_learner_devices(batch, cfg)
 
 
 def learn(update_fn, state: TrainState, batch: dict, update: int, last_checkpoint: int):
-    """One update: (new state, its record for updates.jsonl). A non-finite loss or state stops the run before any use
-    of it: nothing non-finite is checkpointed or saved."""
+    """One update: (new state, its updates.jsonl record). A non-finite loss or state stops the run, never saved."""
     new_state, *results = update_fn(state, batch, update)
     losses, episodes, fingerprint, finite = jax.tree.map(lambda x: x.tolist(), to_host(results))
     last = f"the last good checkpoint is the one after update {last_checkpoint}" if last_checkpoint else "no checkpoint"
@@ -767,7 +765,7 @@ def main(args: Args):
             data_version = update - 1 if args.concurrency and update > start_update + 1 else update
             if (versions := sorted({rollout.version for rollout in rollouts})) != [data_version]:
                 raise RuntimeError(f"version contract violated at update {update}: data of versions {versions}")
-            batch = collate(rollouts, len(cfg.local_learner_devices))
+            batch = collate(rollouts, cfg)
             with timer(timings, "update_time"):
                 state, record = learn(update_fn, state, batch, update, run_dir.last_checkpoint)
             if update < cfg.num_updates:
@@ -868,11 +866,10 @@ def check_args(args: Args):
     actions = spec.action_space
     # A Gaussian's sample: one vector of floats, clipped to finite bounds (ViZDoom's button vector has none).
     vector = isinstance(actions, gymnasium.spaces.Box) and len(actions.shape) == 1 and actions.dtype.kind == "f"
-    bounded = vector and np.all(np.abs(np.concatenate([actions.low, actions.high])) < 1e30)
-    if not (isinstance(actions, gymnasium.spaces.Discrete) and actions.start == 0) and not bounded:
+    continuous = vector and bool(np.all(np.abs(np.concatenate([actions.low, actions.high])) < 1e30))
+    if not (isinstance(actions, gymnasium.spaces.Discrete) and actions.start == 0) and not continuous:
         what = "discrete actions or a bounded vector"
         raise ConfigError(f"--env-id {args.env_id}: the policy acts with {what}, not {actions}")
-    networks = make_networks(args, spec)
     if args.upload_model:  # cleanba/share.py checks the repository's name and finds a token before the run starts
         command = [sys.executable, SHARER, "--check", json.dumps(dataclasses.asdict(args))]
         check = subprocess.run(command, capture_output=True, text=True)
@@ -884,8 +881,8 @@ def check_args(args: Args):
         check = subprocess.run(recorder, capture_output=True, text=True)
         if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops
             raise ConfigError(f"--capture-video: {check.stderr.strip()}")
-    args.norm_obs = networks.continuous if args.norm_obs is None else args.norm_obs
-    args.norm_reward = networks.continuous if args.norm_reward is None else args.norm_reward
+    args.norm_obs = continuous if args.norm_obs is None else args.norm_obs
+    args.norm_reward = continuous if args.norm_reward is None else args.norm_reward
     if args.norm_obs and isinstance(spec.observation_space, gymnasium.spaces.Dict):
         raise ConfigError("--norm-obs normalises vectors, not dicts (continuous actions turn it on: --norm-obs False)")
 
@@ -933,7 +930,6 @@ def derive_config(args: Args) -> Config:
 
 
 def algorithm_config(args: Args, cfg: Config) -> dict:
-    """What the run computes: the fields marked Algorithm, and the global number of environments (not its split)."""
     config = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if "algorithm" in f.type.__metadata__}
     return {**config, "num_envs": cfg.num_envs}
 
@@ -1038,7 +1034,6 @@ def read_checkpoint(paths: list[str], run_name: str, config: dict) -> dict:
 
 
 def non_finite(state: dict) -> str:
-    """The parts of a state dict that hold NaN or infinite values, with how many ('' if none)."""
     counts = []
     for name, x in flax.traverse_util.flatten_dict(state, sep="/").items():
         if bad := np.size(x) - np.count_nonzero(np.isfinite(x)):
@@ -1118,17 +1113,16 @@ def gymnasium_worker(env_id: str, num_envs: int, cpu: int, connection, options: 
 
 class GymnasiumPool:
     """An actor thread's Gymnasium environments with EnvPool's reset, send, recv (without its infos) and render:
-    `num_threads` worker processes (from a fork server: none inherits this process's threads or lock), pinned as
-    EnvPool's threads are, step a share of the envs each; env i is seeded seed + i, as in EnvPool."""
+    `num_threads` worker processes (from a fork server: none inherits our threads or lock) step a share each."""
 
     def __init__(self, env_id: str, num_envs: int, seed: int, num_threads=1, thread_affinity_offset=-1, **options):
         self.env_id = env_id
         self.shares = np.array_split(np.arange(num_envs), min(num_threads, num_envs))  # each worker's envs
-        self.seeds = [dict(seed=seed + int(share[0])) for share in self.shares]  # for the first reset
+        self.seeds = [dict(seed=seed + int(share[0])) for share in self.shares]  # first reset: env i gets seed + i
         self.connections = []
         context = multiprocessing.get_context("forkserver")
         for worker, share in enumerate(self.shares):
-            cpu = thread_affinity_offset + worker if thread_affinity_offset >= 0 else -1
+            cpu = thread_affinity_offset + worker if thread_affinity_offset >= 0 else -1  # pinned as EnvPool's
             ours, theirs = context.Pipe()
             process = context.Process(target=gymnasium_worker, args=(env_id, len(share), cpu, theirs, options))
             process.start()
@@ -1146,9 +1140,8 @@ class GymnasiumPool:
             answers = [connection.recv() for connection in self.connections]
         except EOFError:  # killed, or its environment crashed the interpreter
             raise ChildProcessError(f"--env-id {self.env_id}: a worker process of its environments died") from None
-        for answer in answers:
-            if isinstance(answer, ChildProcessError):
-                raise answer
+        if errors := [answer for answer in answers if isinstance(answer, ChildProcessError)]:
+            raise errors[0]
         return answers
 
     def reset(self):
@@ -1183,8 +1176,7 @@ class StopRequested(Exception):
 
 
 class Actors:
-    """The actor threads: each has its own EnvPool, inference on its actor device, and a params and a rollout queue
-    of size 1. Any thread's failure (the learner's too) sets `stop`, which every queue operation checks."""
+    """The actor threads, each with its own EnvPool, inference on its actor device, a params and a rollout queue."""
 
     def __init__(self, args: Args, cfg: Config, networks: Networks, start_update: int, stop: threading.Event):
         self.args = args
@@ -1217,7 +1209,6 @@ class Actors:
             self.stop.set()
 
     def run(self, thread_id: int, device, params_queue: queue.Queue, rollout_queue: queue.Queue):
-        """One actor thread: a rollout per update, with the parameters the learner published for it."""
         with self.stopping_all_on_failure():
             args = self.args
             env_ids = self.cfg.env_offset + thread_id * args.local_num_envs + np.arange(args.local_num_envs)  # global
@@ -1236,7 +1227,7 @@ class Actors:
                         params, version = self.blocking(params_queue.get)  # the learner put them on this device
                 with timer(timings, "rollout_time"):
                     states, batch = rollout(params, states)
-                    batch = jax.device_get(batch)  # one transfer; the learner gathers host arrays of every thread
+                    batch = jax.block_until_ready(batch)  # (the rollout's time; it stays on the device)
                 with timer(timings, "rollout_queue_put_time"):
                     self.blocking(rollout_queue.put, Rollout(version, env_ids, batch, timings))
 
@@ -1290,10 +1281,13 @@ def checked(update):
 
 def replicate(tree, cfg: Config):
     """The tree on every learner device, placed as the update's outputs are (its first call compiles the only one)."""
+    copies = len(cfg.local_learner_devices)  # one per local learner device, assembled into the global arrays
+    return on_learner_devices(jax.tree.map(lambda x: np.broadcast_to(x, (copies, *np.shape(x))), tree), cfg)
+
+
+def on_learner_devices(local, cfg: Config):  # (local learner devices, ...) arrays: row d on device d, as pmap takes it
     mesh = jax.sharding.Mesh(cfg.learner_devices, ("devices",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
-    copies = len(cfg.local_learner_devices)  # one per local learner device, assembled into the global arrays
-    local = jax.tree.map(lambda x: np.broadcast_to(x, (copies, *np.shape(x))), tree)
     return jax.make_array_from_process_local_data(sharding, local)
 
 
@@ -1319,7 +1313,6 @@ class StopSignals:
             self.stop.set()
 
     def after_update(self, cfg: Config) -> bool:
-        """Whether to stop now: a signal reached this process, or with several processes any of them."""
         self.updates_done += 1
         if self.any_process is None:  # all processes stop after the same update, or one would wait in a collective
             self.any_process = jax.pmap(lambda x: jax.lax.psum(x, "devices"), "devices", devices=cfg.learner_devices)
@@ -1434,8 +1427,7 @@ class RunDir:
 
     def checkpoint(self, state: TrainState, update: int, if_due: bool = False):
         """When due, and when the run stops: written whole and flushed with its checksum, the --keep-checkpoints older
-        copied back a place (checkpoint.msgpack is never missing), then renamed in, after the logs of the updates it
-        covers are on disk. A failed write stops the run."""
+        copied back a place (checkpoint.msgpack is never missing), then renamed in, the logs it covers on disk first."""
         interval = self.args.checkpoint_interval
         elapsed = time.time() - self.last_checkpoint_time
         due = (interval and update % interval == 0) or elapsed > 60 * self.args.checkpoint_minutes
@@ -1513,8 +1505,7 @@ def writing(path: str, update: int):
         os._exit(WRITE_FAILED)
 
 
-def write_whole(path: str, contents: bytes, update: int):
-    """Written to path.tmp and flushed to disk, then renamed over path: a kill or a full disk never cuts it short."""
+def write_whole(path: str, contents: bytes, update: int):  # a kill or a full disk never cuts it short
     with writing(f"{path}.tmp", update):
         with open(f"{path}.tmp", "wb") as f:
             f.write(contents)

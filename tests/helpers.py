@@ -16,6 +16,8 @@ import time
 from typing import NamedTuple
 
 import flax.serialization
+import jax
+import numpy as np
 import tyro
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -250,6 +252,19 @@ def stop_actors(actors, timeout: float = 30):
     deadline = time.time() + timeout
     for thread, *_ in actors.threads:
         thread.join(timeout=max(0.0, deadline - time.time()))
+
+
+def host_collate(rollouts, devices: int) -> dict:
+    """The learner's batch the way the scripts once made it: every thread's batch fetched to the host, concatenated
+    there in global env order, a block per learner device (the update sends it back)."""
+    batch = jax.tree.map(lambda *threads: np.concatenate(threads, axis=1), *jax.device_get([r.batch for r in rollouts]))
+
+    def split(x):  # (T, envs, ...) -> (devices, T, envs / devices, ...)
+        return np.moveaxis(x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), 1, 0)
+
+    batch = jax.tree.map(split, batch)
+    batch["env_ids"] = np.concatenate([r.env_ids for r in rollouts]).reshape(devices, -1)
+    return batch
 
 
 class Parts(NamedTuple):

@@ -53,7 +53,7 @@ def test_the_learner_replays_what_the_actor_computed(algo):
             (rollout,) = actors.collect()
     finally:
         stop_actors(actors)
-    batch = script.collate([rollout], 1)
+    batch = script.collate([rollout], cfg)
     first_steps = ~batch["valid"][0]  # episodes that start after a reset step, at no chunk boundary in particular
     assert first_steps.sum() >= 4 and first_steps[1:].reshape(31, 4).any(axis=1).sum() >= 4
     assert np.abs(batch["core_states"][0, 0]).max() > 0.01  # the rollout starts mid-episode, from a recorded state

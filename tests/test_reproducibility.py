@@ -12,7 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
+import jax
 import numpy as np
 import pytest
 from compare_runs import compare, within_tolerance
@@ -25,10 +27,14 @@ from helpers import (
     Run,
     check,
     finished_run,
+    host_collate,
     load_checkpoint,
+    load_script,
     run,
     run_processes,
     script_env,
+    script_parts,
+    stop_actors,
     trained,
 )
 from test_training import evaluate
@@ -77,6 +83,32 @@ def test_same_layout_twice_is_bitwise_identical(sync_run, sync_rerun):
 def compare_runs(*args: str) -> subprocess.CompletedProcess:  # cleanba/compare_runs.py, as users run it
     command = [sys.executable, os.path.join(REPO, "cleanba", "compare_runs.py"), *args]
     return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_the_batch_goes_from_actors_to_learners_without_the_host_and_trains_the_same(algo):
+    """2 actor threads on device 0, the learner on devices 1 and 2: the batch is gathered device to device (nothing
+    fetched to the host), a block on each learner device, and the update on it is the one on the batch gathered on the
+    host as before, bit for bit: the same record for updates.jsonl, the same new parameters."""
+    script = load_script(algo)
+    layout = ["--num-actor-threads", 2, "--actor-device-ids", 0, "--learner-device-ids", 1, 2]
+    args, cfg, _, networks, state = script_parts(script, *CARTPOLE, *layout, "--total-timesteps", 2 * 256)
+    actors = script.Actors(args, cfg, networks, 0, threading.Event())
+    try:
+        actors.publish(state.params, 1)
+        rollouts = actors.collect()
+    finally:
+        stop_actors(actors)
+    with jax.transfer_guard_device_to_host("disallow"):
+        batch = script.collate(rollouts, cfg)
+    for leaf in jax.tree.leaves(batch):
+        assert [shard.device for shard in leaf.addressable_shards] == cfg.learner_devices
+    update_fn = script.make_update(args, cfg, networks)
+    on_devices, record = script.learn(update_fn, state, batch, 1, 0)
+    via_host, host_record = script.learn(update_fn, state, host_collate(rollouts, 2), 1, 0)
+    assert record == host_record and record["episodes"][0] > 0
+    host_leaves = jax.tree.leaves(script.to_host(via_host))
+    for leaf, host_leaf in zip(jax.tree.leaves(script.to_host(on_devices)), host_leaves, strict=True):
+        np.testing.assert_array_equal(leaf, host_leaf)
 
 
 def test_compare_runs_never_calls_nothing_the_same(sync_run, tmp_path):

@@ -269,7 +269,7 @@ class Learner:
     def __init__(self, algo, args, networks, state, calls: int = 1):
         cfg = algo.derive_config(args)
         _, first = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts=2)
-        self.batch = algo.collate(first, len(cfg.local_learner_devices))
+        self.batch = algo.collate(first, cfg)
         self.update_fn = algo.make_update(args, cfg, networks)
         self.state = state
         self.calls = calls

@@ -285,7 +285,7 @@ class Rollouts:
         for thread, *_ in self.actors.threads:
             thread.join(timeout=30)
         if self.actors.failures:
-            raise RuntimeError(self.actors.failures[0][1])
+            raise RuntimeError(self.actors.failures[0])
 
 
 def positive(text: str) -> int:

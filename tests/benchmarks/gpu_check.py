@@ -75,12 +75,18 @@ START_GUESS = 60  # seconds: start-up, compilation, warm-up updates and the stop
 STOP_WAIT = 90  # seconds a stopped run may take to finish its update and checkpoint before it is killed
 TAIL_LINES = 40  # of a failed run's output, kept in the JSON
 
-# The throughput runs, in priority order: (id for --runs, script, flags beyond the defaults, kind). The variants: the
+# One actor thread with all the cores, its envs in two pools that step in turns: the other shape of the same batch.
+ONE_THREAD = ["--num-actor-threads", "1", "--local-num-envs", "128", "--env-pools", "2"]
+# The throughput runs, in priority order: (id for --runs, script, flags beyond the defaults, kind). The parts: each
+# script's actors alone and learner alone, for the ceiling its default run is measured against. The variants: the
 # open question first (what recorded algorithms give PPO, whose update they made 21% shorter), then the cheapest.
 RUNS = [
     ("ppo", "ppo", [], "default"),
     ("impala", "impala", [], "default"),
     ("pqn", "pqn", [], "default"),
+    ("impala-parts", "impala", [], "parts"),
+    ("ppo-parts", "ppo", [], "parts"),
+    ("pqn-parts", "pqn", [], "parts"),
     ("ppo-nondet", "ppo", ["--no-deterministic-gpu"], "variant"),
     ("ppo-recorded", "ppo", [], "variant"),
     ("impala-nondet", "impala", ["--no-deterministic-gpu"], "variant"),
@@ -89,6 +95,9 @@ RUNS = [
     ("pqn-recorded", "pqn", [], "variant"),
     ("impala-pools2", "impala", ["--env-pools", "2"], "variant"),
     ("impala-pools4", "impala", ["--env-pools", "4"], "variant"),
+    ("impala-1x128", "impala", ONE_THREAD, "variant"),
+    ("ppo-1x128", "ppo", ONE_THREAD, "variant"),
+    ("pqn-1x128", "pqn", ONE_THREAD, "variant"),
 ]
 # A script's run without deterministic ops (XLA times its algorithms) records XLA's choices in a file; its
 # "-recorded" run is the default, deterministic, with those choices (docs/performance.md: recorded algorithms).
@@ -275,6 +284,62 @@ def measure_run(script: str, flags: list[str], cwd: str, log_path: str, opts, xl
     return result
 
 
+def measure_parts(script: str, root: str, log_path: str, opts) -> dict:
+    """A script's actors alone (no learner) and learner alone (its update looped on a batch of its actors, resident on
+    the device) at the run's settings, with deterministic GPU ops as its default run has them: throughput.py --parts
+    in a process of its own. Raises nothing (a failure is in the result)."""
+    out = os.path.join(root, f"parts_{script}.json")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if "xla_gpu_deterministic_ops" not in env.get("XLA_FLAGS", ""):  # as the script sets it
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+    command = [sys.executable, os.path.join(HERE, "throughput.py"), "--parts", script, "--out", out]
+    command += ["--seconds", str(opts.parts_seconds), "--", "--env-id", opts.env_id, *opts.flags]
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        try:
+            code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=opts.run_timeout)
+            status = "ok" if code.returncode == 0 else f"failed (exit {code.returncode})"
+        except subprocess.TimeoutExpired:
+            status = f"timeout: no result within --run-timeout {opts.run_timeout:.0f} s"
+    result = dict(status=status, duration_s=time.monotonic() - started)
+    if status != "ok":
+        with open(log_path) as log:
+            result["last_output"] = log.read().splitlines()[-TAIL_LINES:]
+        return result
+    with open(out) as f:
+        parts = json.load(f)
+    result.update(
+        env_sps=parts["env_sps"],
+        actors_alone_sps=parts["actor_alone_sps"],
+        update_s=parts["update_seconds"],
+        learner_alone_sps=parts["batch_size"] / parts["update_seconds"],
+    )
+    return result
+
+
+def ceiling(report: dict, script: str, opts) -> dict | None:
+    """What a script's default architecture allows on this machine: with Cleanba's (IMPALA's default) the slower of
+    EnvPool alone and the learner alone; synchronous (PPO's and PQN's), the two taking turns. None until measured."""
+    parts, env = report["parts"].get(script) or {}, report.get("env_alone") or {}
+    if parts.get("status") != "ok" or env.get("status") != "ok":
+        return None
+    algo = throughput.load_script(script)
+    concurrent = tyro.cli(algo.Args, args=["--env-id", opts.env_id, *opts.flags]).concurrency  # as its runs have it
+    env_sps, learner_sps = env["sps"], parts["learner_alone_sps"]
+    if concurrent:
+        sps = min(env_sps, learner_sps)
+    else:
+        sps = 1 / (1 / env_sps + 1 / learner_sps)
+    return dict(architecture="Cleanba" if concurrent else "synchronous", sps=sps)
+
+
+def parts_line(parts: dict) -> str:
+    line = f"actors alone {parts['actors_alone_sps']:,.0f} steps/s, learner alone {parts['learner_alone_sps']:,.0f}"
+    if parts.get("ceiling"):
+        line += f"; ceiling ({parts['ceiling']['architecture']}) {parts['ceiling']['sps']:,.0f} steps/s"
+    return line
+
+
 def repro_commands(opts) -> dict:
     """The reproducibility checks: {check: [(run name, flags), (run name, flags)]}."""
     envs, steps, updates = opts.repro_envs, opts.repro_steps, opts.repro_updates
@@ -403,7 +468,8 @@ def markdown(report: dict) -> str:
                 f"\nEnvPool alone: {env['actor_threads']} threads x {env['envs_per_thread']} envs, {threads} EnvPool "
                 f"threads each, random actions: **{env_sps:,.0f} steps/s**"
             )
-    header = ["run", "steps/s", "/ EnvPool alone", "/ default", "learner wait", "actor wait", "timed", "1st update"]
+    header = ["run", "steps/s", "/ EnvPool alone", "/ ceiling", "/ default", "learner wait", "actor wait", "timed"]
+    header.append("1st update")
     header.append("run s")
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in report["runs"]:
@@ -411,12 +477,37 @@ def markdown(report: dict) -> str:
             note = r["status"] + (f": {r['reason']}".replace("|", "\\|") if r.get("reason") else "")
             lines.append(f"| {r['name']} | {note} |" + " |" * (len(header) - 2))
             continue
+        script_ceiling = (report["parts"].get(r["script"]) or {}).get("ceiling")
+        over_ceiling = r["sps"] / script_ceiling["sps"] if script_ceiling else None
         lines.append(
-            f"| {r['name']} | {r['sps']:,.0f} | {fmt(r.get('over_env'), '.2f')} | {fmt(r.get('over_default'), '.2f')} "
+            f"| {r['name']} | {r['sps']:,.0f} | {fmt(r.get('over_env'), '.2f')} | {fmt(over_ceiling, '.2f')} "
+            f"| {fmt(r.get('over_default'), '.2f')} "
             f"| {r['learner_wait_s']:.3f} s ({r['learner_wait']:.0%}) "
             f"| {r['actor_wait_s']:.3f} s ({r['actor_wait']:.0%}) "
             f"| {r['measured_updates']} x {r['batch_size']:,} in {r['measured_seconds']:.1f} s "
             f"| {r['first_update_s']:.0f} s | {r['duration_s']:.0f} |"
+        )
+    if report["parts"]:
+        lines += [
+            "",
+            "| ceilings | actors alone | / EnvPool alone | learner alone | update | architecture | ceiling "
+            "| default run / ceiling |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    for script, parts in report["parts"].items():
+        if parts["status"] != "ok":
+            note = parts["status"] + (f": {parts['reason']}" if parts.get("reason") else "")
+            lines.append(f"| {script} | {note} |" + " |" * 6)
+            continue
+        default = next((r for r in report["runs"] if r["id"] == script and r["status"] == "ok"), None)
+        limit = parts.get("ceiling")
+        ratio = default["sps"] / limit["sps"] if default and limit else None
+        actors = parts["actors_alone_sps"]
+        architecture, limit_sps = (limit["architecture"], limit["sps"]) if limit else ("-", None)
+        lines.append(
+            f"| {script} | {actors:,.0f} | {fmt(actors / env_sps if env_sps else None, '.2f')} "
+            f"| {parts['learner_alone_sps']:,.0f} | {parts['update_s']:.3f} s "
+            f"| {architecture} | {fmt(limit_sps)} | {fmt(ratio, '.2f')} |"
         )
     if report["reproducibility"]:
         lines += ["", "| reproducibility (PPO) | result | max relative difference | run s |", "|---|---|---|---|"]
@@ -447,6 +538,7 @@ def main():
     parser.add_argument("--env-seconds", type=float, default=10, help="seconds of EnvPool alone")
     parser.add_argument("--budget", type=float, default=420, help="seconds for the whole check (see above)")
     parser.add_argument("--run-timeout", type=float, default=240, help="seconds a throughput run may take")
+    parser.add_argument("--parts-seconds", type=float, default=5, help="timed seconds of each part")
     parser.add_argument(
         "--runs", nargs="+", choices=[r[0] for r in RUNS], default=[r[0] for r in RUNS], help="in priority order"
     )
@@ -496,6 +588,7 @@ def main():
         machine=None,
         env_alone=None,
         runs=[],
+        parts={},
         reproducibility=[],
     )
     failed = False
@@ -524,8 +617,13 @@ def main():
         selected = [next(run for run in RUNS if run[0] == run_id) for run_id in opts.runs]  # in the order given
         for run_id, script, flags, kind in selected:
             name = " ".join([script, *flags]) + (" (recorded algorithms)" if run_id.endswith(RECORDED) else "")
-            estimate = durations.get(script, opts.seconds + START_GUESS)
-            # The defaults go first and need only fit the budget; the variants leave the reproducibility runs' time.
+            if kind == "parts":
+                name = f"{script}: actors alone, learner alone"
+                estimate = durations.get("parts", 4 * opts.parts_seconds + START_GUESS)
+            else:
+                estimate = durations.get(script, opts.seconds + START_GUESS)
+            # The defaults and parts go first and need only fit the budget; the variants leave the reproducibility runs'
+            # time.
             ends = elapsed() + estimate + (reserve if kind == "variant" else 0)
             result = dict(name=name, id=run_id, script=script, flags=flags, estimate_s=estimate)
             report["runs"].append(result)
@@ -542,11 +640,27 @@ def main():
                     reason=f"needs ~{estimate:.0f} s; would end at {ends:.0f} s of the {opts.budget:.0f} s budget"
                     + (f" (with {what})" if what else ""),
                 )
+                if kind == "parts":
+                    report["runs"].remove(result)
+                    report["parts"][script] = result
                 print(f"[{name}] skipped: {result['reason']}", flush=True)
                 write(report, opts.out)
                 continue
             print(f"[{name}] at {elapsed():.0f} s", flush=True)
             log_path = os.path.join(log_dir, f"{run_id}.log")
+            if kind == "parts":
+                report["runs"].remove(result)
+                result.update(measure_parts(script, root, log_path, opts))
+                report["parts"][script] = result
+                durations["parts"] = result["duration_s"]
+                if result["status"] == "ok":
+                    result["ceiling"] = ceiling(report, script, opts)
+                    print(f"[{name}] {parts_line(result)}", flush=True)
+                else:
+                    failed = True
+                    print(f"[{name}] {result['status']}; its last lines:\n  " + "\n  ".join(result["last_output"]))
+                write(report, opts.out)
+                continue
             result["status"] = "interrupted"  # until it ends
             result["xla_flags"] = xla_flags.replace(root + "/", "")
             result.update(measure_run(script, flags, os.path.join(root, "throughput"), log_path, opts, xla_flags))

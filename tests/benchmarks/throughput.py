@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/benchmarks/throughput.py                  # this platform's configurations
     .venv/bin/python tests/benchmarks/throughput.py --configs cartpole --algos ppo --out cartpole.json
+    .venv/bin/python tests/benchmarks/throughput.py --parts ppo --out parts.json -- --env-id Breakout-v5  # one part
 
 For each configuration (an environment and a batch shape) and each script, it measures:
 
@@ -17,6 +18,8 @@ For each configuration (an environment and a batch shape) and each script, it me
   fraction of the time the learner waited for data and the actors waited for parameters, and the peak
   resident memory of the process. Short runs are repeated, interleaved, and the median run reported:
   timings on a shared machine vary by tens of percent from one minute to the next.
+
+With --parts ALGO, only the ceilings and the actor alone of that script with the flags after --, as JSON.
 
 It prints the figures with the ratios training / env ceiling, training / compute ceiling and training /
 the smaller of the two; on a CPU, where environments and compute share the cores, also training / the rate
@@ -191,7 +194,7 @@ def actor_alone(algo, args, cfg, networks, replica_params, rollouts: int):
         for thread, *_ in actors.threads:
             thread.join(timeout=30)
     if actors.failures:
-        raise RuntimeError(actors.failures[0][1])
+        raise RuntimeError(actors.failures[0])
     steps = (rollouts - 1) * len(actors.threads) * args.local_num_envs * args.num_steps
     return steps / elapsed, received[0]
 
@@ -234,7 +237,7 @@ def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
 
     # The learner's update on the actors' first batch, each new state replacing the last as in the script.
     update_fn = algo.make_update(args, cfg, networks)
-    batch = algo.collate(first_rollouts, 1)
+    batch = algo.collate(first_rollouts, cfg)
     states = [state]
 
     def update():
@@ -405,7 +408,13 @@ def main():
     parser.add_argument("--seconds", type=float, default=3.0, help="minimum duration of each isolated timing")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed to each training run")
     parser.add_argument("--out", default="throughput.json", help="where to write the figures as JSON")
+    parser.add_argument("--parts", metavar="ALGO", choices=["ppo", "impala", "pqn"], help="only measure_parts")
+    parser.add_argument("flags", nargs="*", help="after --, with --parts: the script's flags")
     args = parser.parse_args()
+    if args.parts:  # one script's parts, in a process of its own (gpu_check.py's ceilings)
+        with open(args.out, "w") as f:
+            json.dump(measure_parts(args.parts, args.flags, args.seconds), f, indent=2)
+        return
 
     backend = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
     configs = args.configs or [name for name, config in CONFIGS.items() if backend in config["platforms"]]
