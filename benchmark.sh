@@ -50,10 +50,12 @@
 #   gpu-learning             on this machine's GPU: each script on Breakout-v5 with its paper's defaults for 3.5
 #                            minutes; steps/s and the return curve in results/gpu_learning/ (~12 min)
 #   gpu-check                on this machine's GPU, in ~8 minutes: the machine, EnvPool alone, each script's steady
-#                            steps/s on Breakout-v5 at its defaults (then, as the budget allows, --no-deterministic-gpu,
-#                            the default with the algorithms that run recorded, and IMPALA's --env-pools 2 and 4), and
-#                            whether PPO reruns bit for bit (the same command twice; layout-free on 1 and 2 actor
-#                            threads); in docs/results/gpu/gpu_check.{json,md}
+#                            steps/s on Breakout-v5 at its defaults and over the ceiling its architecture allows (its
+#                            actors alone, its learner alone), then, as the budget allows, --no-deterministic-gpu,
+#                            the default with the algorithms that run recorded, IMPALA's --env-pools 2 and 4, CUDA
+#                            graphs for every kernel and one actor thread of 128 envs, and whether PPO reruns bit for
+#                            bit (the same command twice; layout-free on 1 and 2 actor threads; with CUDA graphs);
+#                            in docs/results/gpu/gpu_check.{json,md}
 #                            (--out DIR elsewhere; --help: the sizes, for a dry run on a CPU)
 #   gpu-profile              on this machine's GPU: where each script's update at its Atari defaults (Breakout-v5)
 #                            spends the device's time, by part of the network and pass (forward, backward), from JAX's
@@ -70,6 +72,14 @@
 #                            docs/results/gpu/actors/<variant>/ (--out DIR elsewhere, then -- and the script's flags).
 #                            It keeps to a budget, BUDGET=390 seconds by default (to fit a
 #                            10-minute slot), reporting what did not fit as skipped (all of it takes ~8 min)
+#   gpu-next                 on this machine's GPU, in 9 minutes (BUDGET=540 seconds): what chooses among the
+#                            candidates for one GPU. gpu-check at 12 s a run with each script's ceiling (its actors
+#                            alone, its learner alone), every kernel in CUDA graphs (-graphs, and whether PPO's bits
+#                            stay the same with them) and one actor thread of 128 envs in 2 pools (-1x128), as the
+#                            budget allows (RUNS=... to choose, CHECK_FLAGS=... more of gpu_check.py's flags); then
+#                            the learner in a second process (learner_process.py) and the learner's host time per
+#                            update (learner_host_time.py), in docs/results/gpu/next/ (--out DIR elsewhere, then --
+#                            and the scripts' flags; ENV_ID=... another environment)
 #   gpu-procgen              on this machine's GPU: PPO on StarpilotEasy-v0 with the Procgen protocol's settings (200
 #                            levels, 64 envs x 256 steps) for 2.6M steps (~4.5 minutes on an H200), stopped at 6
 #                            minutes (MINUTES=...); if it finished, 20 episodes on its training levels and 20 on
@@ -108,6 +118,14 @@ PROCGEN_CPU="--num-levels 200 --num-actor-threads 1 --local-num-envs 16 --num-st
 --save-model"
 SEEDS="1 2 3"
 launch() { $PYTHON cleanba/launch.py "$@"; }
+# The GPU grids that keep to a budget: each measurement runs whatever became of the one before, stopped after its CAP
+# seconds or at the budget's $deadline (SIGTERM: the benchmarks write what they measured), skipped with under 30 s left.
+failed=0
+measure() {  # CAP COMMAND...
+  local left=$((deadline - SECONDS))
+  if [ $left -lt 30 ]; then echo "$grid: skipped, out of budget: ${*:2}" >&2; failed=1; return; fi
+  timeout $((left < $1 ? left : $1)) "${@:2}" || failed=1
+}
 
 # The settings of the results table. Each grid runs to the end even if an experiment fails, then says so.
 # PQN on classic control: CleanRL's pqn.py settings (4 envs x 128 steps, 4 minibatches x 4 epochs, RAdam 2.5e-4,
@@ -302,12 +320,6 @@ case "$grid" in
     flags=("" "--xla_gpu_enable_command_buffer="
       "--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_graph_min_graph_size=1")
     deadline=$((SECONDS + ${BUDGET:-390}))
-    failed=0  # each measurement, whatever became of the one before
-    measure() {  # CAP COMMAND...: stopped after CAP seconds or at the budget's end; skipped with under 30 s left
-      local left=$((deadline - SECONDS))
-      if [ $left -lt 30 ]; then echo "gpu-actors: skipped, out of budget: ${*:2}" >&2; failed=1; return; fi
-      timeout $((left < $1 ? left : $1)) "${@:2}" || failed=1
-    }
     measure 100 $PYTHON tests/benchmarks/actor_calls.py --seconds 2 --out "$out/as-is" -- "$@"
     measure 150 $PYTHON tests/benchmarks/compiled_rollout.py --out "$out/as-is" -- "$@"
     measure 100 $PYTHON tests/benchmarks/device_trace.py --actors --algo impala --calls 3 --out "$out/as-is" -- "$@"
@@ -319,6 +331,22 @@ case "$grid" in
       XLA_FLAGS="${XLA_FLAGS:-} ${flags[$i]}" measure 100 $PYTHON tests/benchmarks/actors_alone.py --algos impala \
         --pools 1 --seconds 3 --out "$out/${variants[$i]}" -- "$@"
     done
+    exit $failed ;;
+  gpu-next)
+    out=docs/results/gpu/next
+    if [ "${1:-}" = --out ]; then out=${2:?--out needs a directory}; shift 2; fi
+    [ "${1:-}" = -- ] && shift  # then the scripts' flags (a dry run on a CPU: -- --local-num-envs 8 --num-steps 32)
+    env_id=${ENV_ID:-Breakout-v5}
+    budget=${BUDGET:-540}
+    deadline=$((SECONDS + budget))
+    runs=${RUNS:-impala ppo pqn impala-parts ppo-parts pqn-parts impala-graphs impala-1x128 ppo-graphs ppo-1x128
+      pqn-graphs pqn-1x128}
+    # (unquoted: the runs and CHECK_FLAGS split into words)
+    measure $((budget - 180)) $PYTHON tests/benchmarks/gpu_check.py --out "$out" --env-id "$env_id" \
+      --repro-env-id "$env_id" --budget $((budget - 200)) --seconds 12 --parts-seconds 3 --repro-seconds 60 \
+      ${CHECK_FLAGS:-} --runs $runs -- "$@"
+    measure 120 $PYTHON tests/benchmarks/learner_process.py --env-id "$env_id" --seconds 8 --out "$out" -- "$@"
+    measure 60 $PYTHON tests/benchmarks/learner_host_time.py --algos impala --env-id "$env_id" --out "$out" -- "$@"
     exit $failed ;;
   gpu-procgen)
     $PYTHON tests/benchmarks/learning.py --env-id StarpilotEasy-v0 --algos ppo --minutes "${MINUTES:-6}" --evaluate 20 \

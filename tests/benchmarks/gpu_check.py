@@ -21,19 +21,27 @@ check cut short still leaves what it measured:
    allows, the speed flag (--no-deterministic-gpu: the cost of deterministic GPU ops; the run also records the
    algorithms XLA timed, in this check's temporary directory), the default again with those algorithms (-recorded:
    deterministic ops, the recorded algorithms instead of the first that works; it needs its -nondet run earlier in
-   the same check) and IMPALA's --env-pools 2 and 4 (the default is 1), with their steps/s over the default run's;
-4. reproducibility, after the throughput runs (so that it does not disturb their timings), four PPO runs at once
-   sharing the GPU (no memory preallocation; 4 EnvPool threads each): the same command twice, and a layout-free
-   run (--layout-free-group-size 4) on 1 and on 2 actor threads; each pair is bitwise identical (updates.jsonl),
-   or the first update that differs and what differs (the batch fingerprint, the losses, the episodes).
+   the same check), IMPALA's --env-pools 2 and 4 (the default is 1) and each script with one actor thread of 128
+   envs in two pools (-1x128: the same batch as 2 threads x 64), with their steps/s over the default run's;
+   the ceilings (<script>-parts, after the default runs): each script's actors alone (no learner) and learner alone
+   (its update looped on a batch of its actors, on the device), measured by throughput.py --parts in a process of
+   its own, and the ceiling its default architecture allows: the slower of EnvPool alone and the learner alone with
+   Cleanba's architecture (IMPALA's default), the two taking turns when synchronous (PPO's and PQN's,
+   1 / (1 / EnvPool alone + 1 / learner alone)); the default run's steps/s over it (the goal: 0.9);
+4. reproducibility, after the throughput runs (so that it does not disturb their timings), five PPO runs at once
+   sharing the GPU (no memory preallocation; 4 EnvPool threads each): the same command twice, a layout-free
+   run (--layout-free-group-size 4) on 1 and on 2 actor threads, and the first command with every kernel in CUDA
+   graphs (GRAPHS); each pair is bitwise identical (updates.jsonl), or the first update that differs and what
+   differs (the batch fingerprint, the losses, the episodes).
 
 A global time budget (--budget) ranks the work: EnvPool alone and the three default runs first, then the
-reproducibility runs (their time, --repro-seconds, is reserved, though they run last), then the variants while they
-fit, in the order of --runs (by default PPO's without determinism, then with its recorded algorithms). A run that
-would not fit is reported as skipped, never dropped, and a later, shorter one may still fit. Each run's time is
-estimated from its script's default run (start to exit), or as --seconds + 60 s before one. On an H100 the default
-budget fits the defaults, the reproducibility runs and one or two variants; the others: a second call with --runs
-(e.g. impala impala-nondet impala-recorded) and --no-repro.
+reproducibility runs (their time, --repro-seconds, is reserved, though they run last), then the ceilings and the
+variants while they fit, in the order of --runs (by default the ceilings, then PPO's without determinism, then with
+its recorded algorithms). A run that would not fit is reported as skipped, never dropped, and a later, shorter one
+may still fit. Each run's time is estimated from its script's default run (start to exit; the ceilings' from the
+first one measured), or as --seconds + 60 s before one. On an H100 the default budget fits the defaults, the
+reproducibility runs and a few more; the others: a second call with --runs (e.g. impala impala-nondet
+impala-recorded) and --no-repro. `bash benchmark.sh gpu-next` chooses the runs that choose among the candidates.
 
 Exit status 0 when everything that ran worked, "not bitwise" included (a measurement, not a test: it asserts
 nothing); 1 if a run crashed or timed out (its last output lines are in the JSON) or the check was interrupted.
@@ -75,6 +83,9 @@ START_GUESS = 60  # seconds: start-up, compilation, warm-up updates and the stop
 STOP_WAIT = 90  # seconds a stopped run may take to finish its update and checkpoint before it is killed
 TAIL_LINES = 40  # of a failed run's output, kept in the JSON
 
+# XLA's CUDA graphs (command buffers) for every kernel, convolutions included (by default they leave convolutions out,
+# and a graph needs 5 commands): the actors' calls of the ResNet launched as one graph each (the -graphs runs).
+GRAPHS = "--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_graph_min_graph_size=1"
 # One actor thread with all the cores, its envs in two pools that step in turns: the other shape of the same batch.
 ONE_THREAD = ["--num-actor-threads", "1", "--local-num-envs", "128", "--env-pools", "2"]
 # The throughput runs, in priority order: (id for --runs, script, flags beyond the defaults, kind). The parts: each
@@ -95,6 +106,9 @@ RUNS = [
     ("pqn-recorded", "pqn", [], "variant"),
     ("impala-pools2", "impala", ["--env-pools", "2"], "variant"),
     ("impala-pools4", "impala", ["--env-pools", "4"], "variant"),
+    ("impala-graphs", "impala", [], "variant"),
+    ("ppo-graphs", "ppo", [], "variant"),
+    ("pqn-graphs", "pqn", [], "variant"),
     ("impala-1x128", "impala", ONE_THREAD, "variant"),
     ("ppo-1x128", "ppo", ONE_THREAD, "variant"),
     ("pqn-1x128", "pqn", ONE_THREAD, "variant"),
@@ -110,8 +124,11 @@ def algorithms_file(root: str, script: str) -> str:  # where a script's -nondet 
 
 def run_xla_flags(run_id: str, script: str, flags: list[str], root: str) -> str | None:
     """The XLA flags a run adds to the user's: a run without deterministic ops records its algorithm choices, a
-    -recorded run reads them; None when the choices it needs were not recorded (its -nondet run did not run)."""
+    -recorded run reads them, a -graphs run puts every kernel in CUDA graphs; None when the choices it needs were not
+    recorded (its -nondet run did not run)."""
     path = algorithms_file(root, script)
+    if run_id.endswith("-graphs"):
+        return GRAPHS
     if "--no-deterministic-gpu" in flags:
         return f"--xla_gpu_dump_autotune_results_to={path}"
     if run_id.endswith(RECORDED):
@@ -357,6 +374,7 @@ def repro_commands(opts) -> dict:
             ("free_1thread", [*common, *one, *free]),
             ("free_2threads", [*common, *two, *free]),
         ],
+        "CUDA graphs of every kernel vs as XLA has them": [("same_1", [*common, *one]), ("graphs", [*common, *one])],
     }
 
 
@@ -379,16 +397,21 @@ def first_difference(a: list[dict], b: list[dict]) -> dict | None:
 
 
 def reproducibility(root: str, log_dir: str, opts) -> list[dict]:
-    """Runs the four runs at once; compares each pair's updates.jsonl."""
+    """Runs the five runs at once (the graphs run with GRAPHS); compares each pair's updates.jsonl."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     checks, processes = repro_commands(opts), {}
     try:
         for pair in checks.values():
             for name, flags in pair:
+                if name in processes:  # a run of two checks
+                    continue
+                run_env = env
+                if name == "graphs":
+                    run_env = dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {GRAPHS}".strip())
                 cwd = os.path.join(root, "repro", name)
                 os.makedirs(cwd, exist_ok=True)
                 command = [*script_command("ppo"), *flags, "--run-name", name]
-                processes[name] = Process(command, cwd, env, os.path.join(log_dir, f"repro_{name}.log"))
+                processes[name] = Process(command, cwd, run_env, os.path.join(log_dir, f"repro_{name}.log"))
         deadline = time.monotonic() + opts.repro_timeout
         while time.monotonic() < deadline and any(p.proc.poll() is None for p in processes.values()):
             time.sleep(0.2)
@@ -477,8 +500,8 @@ def markdown(report: dict) -> str:
             note = r["status"] + (f": {r['reason']}".replace("|", "\\|") if r.get("reason") else "")
             lines.append(f"| {r['name']} | {note} |" + " |" * (len(header) - 2))
             continue
-        script_ceiling = (report["parts"].get(r["script"]) or {}).get("ceiling")
-        over_ceiling = r["sps"] / script_ceiling["sps"] if script_ceiling else None
+        script_ceiling = (report["parts"].get(r["script"]) or {}).get("ceiling")  # of the default run's shape
+        over_ceiling = r["sps"] / script_ceiling["sps"] if script_ceiling and r["id"] == r["script"] else None
         lines.append(
             f"| {r['name']} | {r['sps']:,.0f} | {fmt(r.get('over_env'), '.2f')} | {fmt(over_ceiling, '.2f')} "
             f"| {fmt(r.get('over_default'), '.2f')} "
@@ -622,9 +645,8 @@ def main():
                 estimate = durations.get("parts", 4 * opts.parts_seconds + START_GUESS)
             else:
                 estimate = durations.get(script, opts.seconds + START_GUESS)
-            # The defaults and parts go first and need only fit the budget; the variants leave the reproducibility runs'
-            # time.
-            ends = elapsed() + estimate + (reserve if kind == "variant" else 0)
+            # The defaults go first and need only fit the budget; the others leave the reproducibility runs' time.
+            ends = elapsed() + estimate + (reserve if kind != "default" else 0)
             result = dict(name=name, id=run_id, script=script, flags=flags, estimate_s=estimate)
             report["runs"].append(result)
             xla_flags = run_xla_flags(run_id, script, flags, root)
@@ -634,7 +656,7 @@ def main():
                 write(report, opts.out)
                 continue
             if ends > opts.budget:
-                what = "the time reserved for the reproducibility runs" if kind == "variant" and reserve else ""
+                what = "the time reserved for the reproducibility runs" if kind != "default" and reserve else ""
                 result.update(
                     status="skipped",
                     reason=f"needs ~{estimate:.0f} s; would end at {ends:.0f} s of the {opts.budget:.0f} s budget"
@@ -693,7 +715,7 @@ def main():
                     for check in repro_commands(opts)
                 ]
             else:
-                print(f"[reproducibility] 4 PPO runs at once, at {elapsed():.0f} s", flush=True)
+                print(f"[reproducibility] 5 PPO runs at once, at {elapsed():.0f} s", flush=True)
                 start = time.monotonic()
                 report["reproducibility"] = reproducibility(root, log_dir, opts)
                 report["repro_duration_s"] = time.monotonic() - start
