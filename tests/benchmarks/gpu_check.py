@@ -640,6 +640,8 @@ def main():
         selected = [next(run for run in RUNS if run[0] == run_id) for run_id in opts.runs]  # in the order given
         for run_id, script, flags, kind in selected:
             name = " ".join([script, *flags]) + (" (recorded algorithms)" if run_id.endswith(RECORDED) else "")
+            if run_id.endswith("-graphs"):
+                name += " (CUDA graphs)"
             if kind == "parts":
                 name = f"{script}: actors alone, learner alone"
                 estimate = durations.get("parts", 4 * opts.parts_seconds + START_GUESS)
