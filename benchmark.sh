@@ -75,8 +75,9 @@
 #   gpu-next                 on this machine's GPU, in 9 minutes (BUDGET=540 seconds): what chooses among the
 #                            candidates for one GPU. gpu-check at 12 s a run with each script's ceiling (its actors
 #                            alone, its learner alone), every kernel in CUDA graphs (-graphs, and whether PPO's bits
-#                            stay the same with them) and one actor thread of 128 envs in 2 pools (-1x128), as the
-#                            budget allows (RUNS=... to choose, CHECK_FLAGS=... more of gpu_check.py's flags); then
+#                            stay the same with them) and one actor thread of 128 envs in 2 pools (-1x128), IMPALA's
+#                            first, as the budget allows (RUNS=... for a second call with the rest, CHECK_FLAGS=...
+#                            more of gpu_check.py's flags); then
 #                            the learner in a second process (learner_process.py) and the learner's host time per
 #                            update (learner_host_time.py), in docs/results/gpu/next/ (--out DIR elsewhere, then --
 #                            and the scripts' flags; ENV_ID=... another environment)
@@ -339,7 +340,9 @@ case "$grid" in
     env_id=${ENV_ID:-Breakout-v5}
     budget=${BUDGET:-540}
     deadline=$((SECONDS + budget))
-    runs=${RUNS:-impala ppo pqn impala-parts ppo-parts pqn-parts impala-graphs impala-1x128 ppo-graphs ppo-1x128
+    # In order: IMPALA's candidates first (its goal is EnvPool alone's rate), then PPO's and PQN's; what the budget
+    # leaves out is reported as skipped, for a second call (RUNS="ppo-1x128 pqn-graphs ...").
+    runs=${RUNS:-impala impala-graphs impala-1x128 impala-parts ppo ppo-parts ppo-graphs pqn pqn-parts ppo-1x128
       pqn-graphs pqn-1x128}
     # (unquoted: the runs and CHECK_FLAGS split into words)
     measure $((budget - 180)) $PYTHON tests/benchmarks/gpu_check.py --out "$out" --env-id "$env_id" \
