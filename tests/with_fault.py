@@ -87,7 +87,7 @@ def with_learner_fault(learn):
             if fault == "learner":
                 raise RuntimeError(f"CLEANBA_FAULT: injected learner failure at update {update}")
             if fault == "nan":
-                batch["rewards"][:] = np.nan
+                batch["rewards"] = batch["rewards"] * np.nan  # (on the learner devices, as the batch is)
             if fault == "inf":
                 state = state.replace(opt_state=infinite_second_moments(state.opt_state))
         return learn(update_fn, state, batch, update, last_checkpoint)

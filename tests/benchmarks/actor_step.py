@@ -321,7 +321,7 @@ def gradient_step_parts(algo, args, networks, state, batch, seconds: float) -> d
     backward: the script's losses add little to it); that and the optimiser's step; the gradient again with the network
     computing in bfloat16, its parameters and each layer's input cast (what a lower precision would buy: a speed flag's
     worth, not a default's). Median seconds per call."""
-    local = jax.tree.map(lambda x: x[0], batch)  # host arrays: (T or T + 1, envs, ...)
+    local = jax.tree.map(lambda x: x[0], batch)  # (T or T + 1, envs, ...)
     envs = local["valid"].shape[1]
     steps = args.num_steps
     if minibatches_split_steps(args):

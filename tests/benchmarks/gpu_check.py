@@ -308,7 +308,8 @@ def measure_parts(script: str, root: str, log_path: str, opts) -> dict:
     out = os.path.join(root, f"parts_{script}.json")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if "xla_gpu_deterministic_ops" not in env.get("XLA_FLAGS", ""):  # as the script sets it
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+        deterministic = str("--no-deterministic-gpu" not in opts.flags).lower()
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops={deterministic}".strip()
     command = [sys.executable, os.path.join(HERE, "throughput.py"), "--parts", script, "--out", out]
     command += ["--seconds", str(opts.parts_seconds), "--", "--env-id", opts.env_id, *opts.flags]
     started = time.monotonic()
@@ -323,8 +324,11 @@ def measure_parts(script: str, root: str, log_path: str, opts) -> dict:
         with open(log_path) as log:
             result["last_output"] = log.read().splitlines()[-TAIL_LINES:]
         return result
-    with open(out) as f:
-        parts = json.load(f)
+    try:
+        with open(out) as f:
+            parts = json.load(f)
+    except (OSError, ValueError) as error:
+        return dict(result, status=f"failed: no figures ({error})", last_output=[])
     result.update(
         env_sps=parts["env_sps"],
         actors_alone_sps=parts["actor_alone_sps"],
@@ -514,23 +518,26 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             "| ceilings | actors alone | / EnvPool alone | learner alone | update | architecture | ceiling "
-            "| default run / ceiling |",
-            "|---|---|---|---|---|---|---|---|",
+            "| default run / ceiling | / actors alone | / learner alone |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
     for script, parts in report["parts"].items():
         if parts["status"] != "ok":
             note = parts["status"] + (f": {parts['reason']}" if parts.get("reason") else "")
-            lines.append(f"| {script} | {note} |" + " |" * 6)
+            lines.append(f"| {script} | {note} |" + " |" * 8)
             continue
         default = next((r for r in report["runs"] if r["id"] == script and r["status"] == "ok"), None)
         limit = parts.get("ceiling")
         ratio = default["sps"] / limit["sps"] if default and limit else None
+        over_actors = default["sps"] / parts["actors_alone_sps"] if default else None
+        over_learner = default["sps"] / parts["learner_alone_sps"] if default else None
         actors = parts["actors_alone_sps"]
         architecture, limit_sps = (limit["architecture"], limit["sps"]) if limit else ("-", None)
         lines.append(
             f"| {script} | {actors:,.0f} | {fmt(actors / env_sps if env_sps else None, '.2f')} "
             f"| {parts['learner_alone_sps']:,.0f} | {parts['update_s']:.3f} s "
-            f"| {architecture} | {fmt(limit_sps)} | {fmt(ratio, '.2f')} |"
+            f"| {architecture} | {fmt(limit_sps)} | {fmt(ratio, '.2f')} | {fmt(over_actors, '.2f')} "
+            f"| {fmt(over_learner, '.2f')} |"
         )
     if report["reproducibility"]:
         lines += ["", "| reproducibility (PPO) | result | max relative difference | run s |", "|---|---|---|---|"]
@@ -674,10 +681,11 @@ def main():
             log_path = os.path.join(log_dir, f"{run_id}.log")
             if kind == "parts":
                 report["runs"].remove(result)
-                result.update(measure_parts(script, root, log_path, opts))
                 report["parts"][script] = result
-                durations["parts"] = result["duration_s"]
+                result["status"] = "interrupted"  # until it ends
+                result.update(measure_parts(script, root, log_path, opts))
                 if result["status"] == "ok":
+                    durations["parts"] = result["duration_s"]
                     result["ceiling"] = ceiling(report, script, opts)
                     print(f"[{name}] {parts_line(result)}", flush=True)
                 else:

@@ -1,5 +1,5 @@
-"""The learner's host time per update, the batch gathered on the host (as the scripts did before) and device to device
-(as they do now): the time from the actor threads' batches to the learner's batch on the learner devices.
+"""The learner's time per update from the actor threads' batches to its own batch on the learner devices, waited for:
+gathered on the host (as the scripts did before) and device to device (as they do now).
 
     .venv/bin/python tests/benchmarks/learner_host_time.py --out results        # on a GPU machine (~2 minutes)
     .venv/bin/python tests/benchmarks/learner_host_time.py --out /tmp/host_time -- --local-num-envs 16 --num-steps 32
@@ -72,6 +72,7 @@ def measure(opts) -> dict:
         on_devices_s=medians["on the devices"],
         same_record=via_host == on_the_devices,
         repeats=opts.repeats,
+        flags=opts.flags,
     )
 
 

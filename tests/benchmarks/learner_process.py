@@ -9,13 +9,14 @@ a learner's update; two processes have two contexts, whose work the GPU interlea
 default: Cleanba's architecture) at its defaults on Breakout-v5 (or the flags after --), on device 0, synchronous
 actors fed the first parameters (no learner's parameters are published: it is the devices' sharing that is measured):
 1. the actors alone: steps/s of the script's actor threads over --seconds at least (throughput.py's actor_alone);
-2. the actors while a thread of the same process runs the script's update on a batch of theirs without pause (the
-   scripts' architecture on one device): the actors' steps/s, and the learner's updates/s in the same window;
-3. the actors while a second process (this file with --learner-only) does the same, started and compiled first.
+2. the actors while a second process (this file with --learner-only), started and compiled first, runs the script's
+   update on a batch of theirs without pause: the actors' steps/s, and the learner's updates/s in the same window
+   (the actors' rollouts after their first);
+3. the same with the update in a thread of the actors' process (the scripts' architecture on one device).
 Both processes take GPU memory as they need it (XLA_PYTHON_CLIENT_PREALLOCATE=false, unless set). The learner alone
 (its updates/s with no actors) comes first. Each figure over the same window; written to --out after each part:
-learner_process.json and .md. A measurement, not a test: if 3's actors keep most of 1's rate while the learner keeps
-2's, a learner process of its own pays on one GPU; the scripts' architecture changes only then.
+learner_process.json and .md. A measurement, not a test: if 2's actors keep more of 1's rate than 3's while the
+learner keeps 3's rate, a learner process of its own pays on one GPU; the scripts' architecture changes only then.
 """
 
 import argparse
@@ -53,13 +54,20 @@ class LearnerThread:
     """The update without pause in a thread of this process, counting the updates that end (wall-clock times)."""
 
     def __init__(self, learner):
-        self.learner, self.ends, self.stop = learner, [], threading.Event()
+        self.learner, self.ends, self.stop, self.error = learner, [], threading.Event(), None
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self):
-        while not self.stop.is_set():
-            self.learner()
-            self.ends.append(time.time())
+        try:
+            while not self.stop.is_set():
+                self.learner()
+                self.ends.append(time.time())
+        except Exception as error:
+            self.error = error
+
+    def check(self):  # the learner still ran at the window's end
+        if self.error is not None:
+            raise RuntimeError(f"the learner thread failed: {self.error}")
 
     def __enter__(self):
         self.thread.start()
@@ -85,6 +93,7 @@ class LearnerProcess:
         while not self.ready.wait(0.5):  # until its update is compiled
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
+                self.proc.wait()
                 raise RuntimeError("the learner process did not start: " + " | ".join(self.output[-5:]))
 
     def read(self):
@@ -95,6 +104,10 @@ class LearnerProcess:
                 self.ready.set()
             else:
                 self.output.append(line.rstrip())
+
+    def check(self):  # the learner still ran at the window's end
+        if self.proc.poll() is not None:
+            raise RuntimeError("the learner process ended: " + " | ".join(self.output[-5:]))
 
     def __enter__(self):
         return self
@@ -164,6 +177,7 @@ def main():
         learner()
     with LearnerThread(learner) as alone:
         time.sleep(opts.seconds / 2)
+    alone.check()
     report["parts"]["learner alone"] = dict(updates_per_s=updates_per_second(alone.ends, start, time.time()))
     save("learner alone")
 
@@ -172,25 +186,27 @@ def main():
 
     def actors(name, learning=None):
         try:
-            start = time.time()
             sps, _ = throughput.actor_alone(algo, args, cfg, networks, state.params, rollouts)
+            end = time.time()  # the actors' timed window: their rollouts after the first
             part = dict(actors_sps=sps)
             if learning is not None:
-                part["updates_per_s"] = updates_per_second(learning.ends, start, time.time())
-        except Exception as error:  # a part's failure (the GPU's memory) is its row's
+                start = end - (rollouts - 1) * cfg.batch_size / sps
+                part["updates_per_s"] = updates_per_second(learning.ends, start, end)
+                learning.check()
+        except Exception as error:  # a part's failure (the GPU's memory, the learner process's end) is its row's
             part = dict(failed=f"{type(error).__name__}: {' '.join(str(error).split())[-200:]}")
         report["parts"][name] = part
         save(name)
 
     actors("actors alone")
-    with LearnerThread(learner) as learning:
-        actors("in a thread of the actors' process", learning)
-    try:
+    try:  # first of the two: the one this experiment is for
         with LearnerProcess(opts, opts.start_timeout) as learning:
             actors("in a second process", learning)
     except RuntimeError as error:
         report["parts"]["in a second process"] = dict(failed=str(error)[-300:])
         save("in a second process")
+    with LearnerThread(learner) as learning:
+        actors("in a thread of the actors' process", learning)
     print(markdown(report), end="")
 
 

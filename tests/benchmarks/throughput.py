@@ -182,11 +182,11 @@ def actor_alone(algo, args, cfg, networks, replica_params, rollouts: int):
     actors = algo.Actors(args, cfg, networks, 0, threading.Event())
     try:
         actors.publish(replica_params, 1)
-        received, start = [], None
-        for update in range(1, rollouts + 1):
-            received.append(actors.collect())
-            if update == 1:
-                start = time.perf_counter()
+        first = actors.collect()  # kept; the later ones are dropped (on a GPU they would fill its memory)
+        start = time.perf_counter()
+        actors.publish(replica_params, 2)
+        for update in range(2, rollouts + 1):
+            actors.collect()
             actors.publish(replica_params, update + 1)
         elapsed = time.perf_counter() - start
     finally:
@@ -196,7 +196,7 @@ def actor_alone(algo, args, cfg, networks, replica_params, rollouts: int):
     if actors.failures:
         raise RuntimeError(actors.failures[0])
     steps = (rollouts - 1) * len(actors.threads) * args.local_num_envs * args.num_steps
-    return steps / elapsed, received[0]
+    return steps / elapsed, first
 
 
 def measure_parts(algo_name: str, flags: list[str], seconds: float) -> dict:
