@@ -42,7 +42,9 @@ def lost_process_line(run: dict, error: str) -> str:
 
 
 def supervise(command: list[str]) -> int:
-    child = subprocess.Popen(command, env=dict(os.environ, CLEANBA_SUPERVISED="1"), stderr=subprocess.PIPE, text=True)
+    # PYTHONFAULTHANDLER: a crash of the interpreter (a segmentation fault) prints where each thread was.
+    environment = dict(os.environ, CLEANBA_SUPERVISED="1", PYTHONFAULTHANDLER="1")
+    child = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: child.send_signal(signum))
     run, held = {}, []  # what the command reported; its stderr from the first line of a failure on

@@ -213,7 +213,10 @@ def wait_for_updates(cwd, count, proc, timeout=120):
     it keeps); fails if the process exits first."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        if proc.poll() is not None:
+            stdout, stderr = proc.communicate()
+            output = (stdout or "")[-1500:] + (stderr or "")[-1500:]  # a crash's cause is on stderr
+            raise AssertionError(f"exit status {proc.returncode} before {count} updates: {output}")
         logs = glob.glob(os.path.join(str(cwd), "runs", "*", "updates.jsonl"))
         if logs and sum(1 for _ in open(logs[0])) >= count:
             return
