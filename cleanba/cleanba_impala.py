@@ -23,12 +23,13 @@ import gc
 import hashlib
 import importlib
 import json
-import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -792,8 +793,7 @@ DEFAULTS = dataclasses.asdict(Args())
 RESUME_WAYS_OUT = "--no-resume starts the run over, another --run-name starts another"
 RUN_DIR_IN_USE = 73  # EX_CANTCREAT (sysexits.h): another copy of the command owns the run directory
 WRITE_FAILED = 74  # EX_IOERR (sysexits.h): an input/output error
-RECORDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py")  # --capture-video's recorder
-SHARER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share.py")  # --upload-model's folder and upload
+TOOLS = os.path.dirname(os.path.abspath(__file__))  # cleanba/: record.py, share.py and gymnasium_pool.py run from it
 
 
 def check_args(args: Args):
@@ -870,13 +870,13 @@ def check_args(args: Args):
         what = "discrete actions or a bounded vector"
         raise ConfigError(f"--env-id {args.env_id}: the policy acts with {what}, not {actions}")
     if args.upload_model:  # cleanba/share.py checks the repository's name and finds a token before the run starts
-        command = [sys.executable, SHARER, "--check", json.dumps(dataclasses.asdict(args))]
+        command = [sys.executable, f"{TOOLS}/share.py", "--check", json.dumps(dataclasses.asdict(args))]
         check = subprocess.run(command, capture_output=True, text=True)
         if check.returncode:
             raise ConfigError(f"--upload-model: {check.stderr.strip()}")
         args.save_model = True  # the model it shares
     if args.capture_video:  # cleanba/record.py knows what it can render here, with the backend the run uses
-        recorder = [sys.executable, RECORDER, "--check", args.env_id, str(args.env_backend)]
+        recorder = [sys.executable, f"{TOOLS}/record.py", "--check", args.env_id, str(args.env_backend)]
         check = subprocess.run(recorder, capture_output=True, text=True)
         if check.returncode not in (0, -signal.SIGTERM):  # SIGTERM: the run's group got it, and the run stops
             raise ConfigError(f"--capture-video: {check.stderr.strip()}")
@@ -1092,78 +1092,43 @@ def env_threads(args: Args, pool: int, cpus: list[int]) -> dict:
     return dict(num_threads=share, thread_affinity_offset=cpus[first] if consecutive else -1)
 
 
-def gymnasium_worker(env_id: str, num_envs: int, cpu: int, connection, options: dict):
-    """A Gymnasium pool's worker process: its envs (a SyncVectorEnv: next-step autoreset, as EnvPool's) answer the
-    actor thread's calls; an environment's error goes back in one line, with where it was raised."""
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the training process's to handle: it then ends this one
-        signal.signal(signum, signal.SIG_IGN)
-    if cpu >= 0:
-        os.sched_setaffinity(0, [cpu])
-    envs = gymnasium.vector.SyncVectorEnv([functools.partial(gymnasium.make, env_id, **options)] * num_envs)
-    connection.send(envs.single_action_space)
-    with contextlib.suppress(EOFError):  # the training process has ended
-        while True:
-            method, kwargs = connection.recv()
-            try:
-                answer = getattr(envs, method)(**kwargs)
-            except Exception as error:  # whatever the environment raises
-                where = traceback.extract_tb(error.__traceback__)[-1]
-                raised = f"{method} raised {type(error).__name__} ({where.filename}:{where.lineno})"
-                answer = ChildProcessError(f"--env-id {env_id}: {raised}: {error}".splitlines()[0])
-            connection.send(answer)
-
-
 class GymnasiumPool:
-    """An actor thread's Gymnasium environments with EnvPool's reset, send, recv (without its infos) and render:
-    `num_threads` worker processes (from a fork server: none inherits our threads or lock) step a share each."""
+    """An actor thread's Gymnasium environments with EnvPool's reset, send, recv (without its infos) and render,
+    stepped by cleanba/gymnasium_pool.py in a process of its own (none inherits our threads) and its workers."""
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, num_threads=1, thread_affinity_offset=-1, **options):
+    def __init__(self, env_id: str, num_envs: int, seed: int, **threads_and_options):
         self.env_id = env_id
-        self.shares = np.array_split(np.arange(num_envs), min(num_threads, num_envs))  # each worker's envs
-        self.seeds = [dict(seed=seed + int(share[0])) for share in self.shares]  # first reset: env i gets seed + i
-        self.connections = []
-        context = multiprocessing.get_context("forkserver")
-        for worker, share in enumerate(self.shares):
-            cpu = thread_affinity_offset + worker if thread_affinity_offset >= 0 else -1  # pinned as EnvPool's
-            ours, theirs = context.Pipe()
-            process = context.Process(target=gymnasium_worker, args=(env_id, len(share), cpu, theirs, options))
-            process.start()
-            theirs.close()  # the worker's end now: its death ends the pipe
-            atexit.register(lambda worker=process: worker.is_alive() and worker.kill())  # (it ignores SIGTERM)
-            self.connections.append(ours)
-        self.action_space = self.gather()[0]
+        ours, theirs = socket.socketpair()
+        settings = dict(env_id=env_id, num_envs=num_envs, seed=seed, **threads_and_options)
+        command = [sys.executable, f"{TOOLS}/gymnasium_pool.py", str(theirs.fileno()), json.dumps(settings)]
+        pool = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        atexit.register(pool.kill)  # (it ignores SIGTERM, and ends once this process closes the socket)
+        theirs.close()
+        self.connection = multiprocessing.connection.Connection(ours.detach())
+        self.action_space = self.answer()
 
-    def tell(self, method: str, kwargs_of_each: list[dict]):  # a call to each worker; gather() reads the answers
-        for connection, kwargs in zip(self.connections, kwargs_of_each, strict=True):
-            connection.send((method, kwargs))
-
-    def gather(self) -> list:  # each worker's answer, in order; an environment's error is raised here
+    def answer(self):  # the pool's answer to the last call; an environment's error is raised here
         try:
-            answers = [connection.recv() for connection in self.connections]
-        except EOFError:  # killed, or its environment crashed the interpreter
-            raise ChildProcessError(f"--env-id {self.env_id}: a worker process of its environments died") from None
-        if errors := [answer for answer in answers if isinstance(answer, ChildProcessError)]:
-            raise errors[0]
-        return answers
+            answer = self.connection.recv()
+        except (EOFError, ConnectionError):  # killed, or its environment crashed the interpreter
+            raise ChildProcessError(f"--env-id {self.env_id}: the process of its environments died") from None
+        if isinstance(answer, ChildProcessError):
+            raise answer
+        return answer
 
     def reset(self):
-        self.tell("reset", self.seeds)
-        self.seeds = [{}] * len(self.shares)  # a later reset goes on with each env's random numbers, as EnvPool's
-        return concatenated([obs for obs, _ in self.gather()]), {}
+        self.connection.send(("reset", None))
+        return self.answer(), {}
 
     def send(self, actions: np.ndarray):
-        self.tell("step", [dict(actions=actions[share]) for share in self.shares])
+        self.connection.send(("step", actions))
 
     def recv(self):
-        return *concatenated([answer[:4] for answer in self.gather()]), {}
+        return *self.answer(), {}
 
     def render(self) -> list:  # each env's frame (render_mode="rgb_array")
-        self.tell("render", [{}] * len(self.shares))
-        return [frame for frames in self.gather() for frame in frames]
-
-
-def concatenated(parts: list):  # the workers' outputs (arrays, or dicts of them) as one batch of envs
-    return jax.tree.map(lambda *arrays: np.concatenate(arrays), *parts)
+        self.connection.send(("render", None))
+        return self.answer()
 
 
 @contextlib.contextmanager
@@ -1369,7 +1334,7 @@ class RunDir:
         with writing(f"{self.path}/updates.jsonl", start_update):
             self.updates = open(f"{self.path}/updates.jsonl", "a", buffering=1)
         if args.capture_video:  # a process of its own records the checkpoints: the training path stays as it is
-            command = [sys.executable, RECORDER, self.path, str(os.getpid())]
+            command = [sys.executable, f"{TOOLS}/record.py", self.path, str(os.getpid())]
             on_cpu = dict(os.environ, JAX_PLATFORMS="cpu")  # it steps one env: a GPU's memory stays the learner's
             self.recorder = subprocess.Popen(command, env=on_cpu, stdin=subprocess.DEVNULL)
         batch = f"{cfg.num_envs} envs x {args.num_steps} steps = {cfg.batch_size} per update, {cfg.num_updates} updates"
@@ -1524,9 +1489,9 @@ def save_model(args: Args, run_path: str, params, update: int):  # for cleanba/e
 
 def share(args: Args, run_path: str):  # --upload-model: cleanba/share.py makes the agent's folder and uploads it
     if args.upload_model:
-        shared = subprocess.run([sys.executable, SHARER, run_path, "--", *sys.argv], stdin=subprocess.DEVNULL)
-        if shared.returncode:  # (share.py said what failed; 69: the Hub did not take it, and how to upload it later)
-            sys.exit(shared.returncode)
+        sharer = [sys.executable, f"{TOOLS}/share.py", run_path, "--", *sys.argv]
+        if failed := subprocess.run(sharer, stdin=subprocess.DEVNULL).returncode:
+            sys.exit(failed)  # share.py said what failed (69: the Hub did not take it, and how to upload it later)
 
 
 def finish(args: Args, cfg: Config, actors: Actors, run_dir: RunDir, signals, state: TrainState, update: int):
