@@ -323,7 +323,6 @@ class Networks(NamedTuple):
     actor: nn.Module
     critic: nn.Module  # the value: a linear layer
     convolutional: bool  # frames, or a grid of cells (MiniGrid's): the CPU update unrolls its loops
-    continuous: bool  # continuous actions
 
 
 def make_networks(args: Args, spec) -> Networks:
@@ -341,7 +340,7 @@ def make_networks(args: Args, spec) -> Networks:
     actor = Actor(spec.action_space.shape[0] if continuous else spec.action_space.n, continuous)
     critic = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))
     convolutional = any(len(part.shape or ()) == 3 for part in parts.values()) and not args.view_size
-    return Networks(torso, core, actor, critic, convolutional, continuous)
+    return Networks(torso, core, actor, critic, convolutional)
 
 
 class Outputs(NamedTuple):
@@ -466,15 +465,13 @@ def compile_rollout(args: Args, act, bootstrap, pools: list, platform: str):
             states[pool] = states[pool]._replace(core=core)
             return policy
 
-        def receive(envs):  # a pool's step outputs (EnvPool's Python API), as its XLA operation gives them
-            obs, reward, terminated, truncated, info = envs.recv()
-            info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
-            return to_float32((obs, reward, terminated, truncated, info))
-
         acting = [act_and_send(pool) for pool in range(len(pools))]
         for t in range(args.num_steps):
             for pool, envs in enumerate(pools):
-                states[pool], record = observe_step(states[pool], states[pool].handle, receive(envs))
+                obs, reward, terminated, truncated, info = envs.recv()  # EnvPool's Python API
+                info = {"reward": info["reward"]} if "reward" in info else {}  # Atari's unclipped reward, for logging
+                outputs = to_float32((obs, reward, terminated, truncated, info))  # as its XLA operation gives them
+                states[pool], record = observe_step(states[pool], states[pool].handle, outputs)
                 records[pool].append({**acting[pool], **record})
                 if t + 1 < args.num_steps:
                     acting[pool] = act_and_send(pool)
@@ -636,8 +633,7 @@ def make_update(args: Args, cfg: Config, networks: Networks):
         v_loss = weighted_sum(v_loss, mb["valid"]) / count
         entropy = weighted_sum(entropy, mb["valid"]) / count
         loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
-        kl = jnp.exp(logratio) - 1 - logratio  # how far the learner is from the behaviour
-        approx_kl = weighted_sum(kl, mb["valid"]) / count
+        approx_kl = weighted_sum(rhos - 1 - logratio, mb["valid"]) / count  # how far the learner is from the behaviour
         # Logged: parts of global means, added up over devices and groups; other values (a coefficient), averaged.
         means = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl)
         return loss, (means, {})
@@ -1218,16 +1214,13 @@ def batch_fingerprint(batch, env_ids):
     """A 32-bit checksum of the batch's exact fields (observations, actions, rewards, episode ends): per env a position-
     weighted, mixed (MurmurHash3's finaliser) checksum, added mod 2^32 over envs: exact, order-free, so layout-free."""
 
-    def column_checksums(x, salt):  # (T, local_envs, ...) -> (local_envs,)
-        x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)
-        x = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float32 else x.astype(jnp.uint32)
-        weights = jax.random.bits(jax.random.key(salt), (x.shape[1],), jnp.uint32) | 1
-        return jnp.sum(x * weights, axis=1, dtype=jnp.uint32)
-
     h = env_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
     # Not the core states: floats each actor layout rounds its own way (the losses, replayed from them, are compared).
     for salt, x in enumerate(jax.tree.leaves([batch[name] for name in ["obs", "actions", "rewards", "dones"]])):
-        h = h * jnp.uint32(31) + column_checksums(x, salt)
+        x = jnp.moveaxis(x, 1, 0).reshape(x.shape[1], -1)  # (T, local_envs, ...) -> (local_envs, the rest)
+        x = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float32 else x.astype(jnp.uint32)
+        weights = jax.random.bits(jax.random.key(salt), (x.shape[1],), jnp.uint32) | 1
+        h = h * jnp.uint32(31) + jnp.sum(x * weights, axis=1, dtype=jnp.uint32)
     for shift, multiplier in [(16, 0x85EBCA6B), (13, 0xC2B2AE35)]:
         h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
     h = h ^ (h >> 16)

@@ -98,7 +98,7 @@ def test_shared_code_is_identical_in_every_script():
 
 
 def test_scripts_are_written_for_reading(algo):
-    """At most 1,540 lines, the algorithm (above the signpost) at most 800; one statement per line, no lambda bound to
+    """At most 1,535 lines, the algorithm (above the signpost) at most 800; one statement per line, no lambda bound to
     a name, no conditional expression inside another (or as an if's condition), no tuple of values assigned to a tuple
     of names, no noqa, no line over 120 characters (ruff, run by .ci/run, holds the rest: E701/E702 one statement per
     line, E731 lambdas)."""
@@ -106,7 +106,7 @@ def test_scripts_are_written_for_reading(algo):
         source = f.read()
     lines = source.splitlines()
     algorithm = next(n for n, line in enumerate(lines) if line.startswith("# The algorithm ends here"))
-    found = [f"{len(lines)} lines: at most 1,540"] if len(lines) > 1540 else []
+    found = [f"{len(lines)} lines: at most 1,535"] if len(lines) > 1535 else []
     found += [f"the algorithm has {algorithm} lines: at most 800"] if algorithm > 800 else []
     found += [f"line {n}: noqa" for n, line in enumerate(source.splitlines(), 1) if "noqa" in line]
     found += [f"line {n}: {len(line)} characters" for n, line in enumerate(source.splitlines(), 1) if len(line) > 120]
